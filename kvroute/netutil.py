@@ -1,0 +1,33 @@
+"""Small helpers for addresses and ports."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def tcp(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+_async_context = None
+
+
+def async_context():
+    """The process's asyncio ZMQ context.
+
+    Not ``zmq.asyncio.Context.instance()``: that shares its singleton slot with the
+    synchronous ``zmq.Context.instance()`` and may hand back a non-async context.
+    """
+    global _async_context
+    import zmq.asyncio
+
+    if _async_context is None or _async_context.closed:
+        _async_context = zmq.asyncio.Context()
+    return _async_context

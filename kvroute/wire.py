@@ -1,0 +1,265 @@
+"""Every message kvroute processes exchange, as typed msgspec structs.
+
+One module, one decoder: the orchestrator, the workers and the connector halves that
+live inside vLLM's processes all import these types. Structs are tagged (field
+``type``) and encoded as msgpack.
+
+Compatibility rule: append fields with defaults, never reorder or remove. Golden
+payloads in ``tests/test_wire.py`` pin the encoding.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class WireError(ValueError):
+    """A frame that does not decode into a known message."""
+
+
+class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class SamplingSpec(msgspec.Struct, forbid_unknown_fields=False):
+    """The subset of vLLM's SamplingParams kvroute forwards to an engine."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None
+
+
+class PullSource(msgspec.Struct, forbid_unknown_fields=False):
+    """Where a consumer pulls a prefilled prompt's blocks from.
+
+    ``handle`` names a lease on the producer; it carries at least 128 random bits
+    because KV blocks are tenant data and the handle is the only credential.
+    """
+
+    handle: str
+    address: str
+    num_tokens: int
+    block_size: int
+    # Digest of the producer's prompt tokens and cache salt: a consumer whose prompt
+    # does not start with the same tokens, or whose namespace differs, never pulls.
+    prompt_digest: str = ""
+
+
+class WorkerLoad(msgspec.Struct, forbid_unknown_fields=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    block_size: int = 0
+    bytes_per_block: int = 0
+
+
+class KVLayoutSpec(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """The physical shape of one engine's paged KV cache, exchanged at first contact.
+
+    ``block_shape`` is one layer's shape with the block dimension removed;
+    ``block_dim`` is where that dimension sits. Two engines may exchange blocks only
+    when their specs are equal.
+    """
+
+    dtype: str
+    num_layers: int
+    block_dim: int
+    block_shape: list[int]
+    block_size: int
+    bytes_per_block: int
+
+
+# ---------------------------------------------------------------- worker RPC
+
+
+class GenerateRequest(_Message, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    cache_salt: str | None = None
+    # Producer role: keep the prompt's blocks under a lease and return a PullSource.
+    hold_blocks: bool = False
+    # Consumer role: pull the blocks this worker lacks from here.
+    pull_from: PullSource | None = None
+
+
+class AbortRequest(_Message, tag="abort"):
+    request_id: str
+
+
+class StatsRequest(_Message, tag="stats"):
+    request_id: str = ""
+
+
+class TokenLogprobs(msgspec.Struct, forbid_unknown_fields=False):
+    """Top log-probabilities at one generated position, best first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class GenerateChunk(_Message, tag="chunk"):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    pull_source: PullSource | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class ErrorReply(_Message, tag="error"):
+    request_id: str | None
+    code: str
+    message: str
+
+
+class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
+    """Byte and block counters of one engine's connector, since process start."""
+
+    bytes_sent: int = 0
+    blocks_sent: int = 0
+    bytes_received: int = 0
+    blocks_received: int = 0
+    pulls_ok: int = 0
+    pulls_failed: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    active_leases: int = 0
+    active_pulls: int = 0
+
+
+class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
+    """vLLM's own accounting of where prompt tokens came from."""
+
+    computed: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+
+
+class WorkerStats(_Message, tag="worker_stats"):
+    worker_id: str
+    role: str
+    incarnation: str
+    load: WorkerLoad
+    transfer: TransferCounters
+    prompt_tokens: PromptTokenCounters
+    num_active_requests: int = 0
+    request_id: str = ""
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    worker_id: str
+    role: str
+    incarnation: str
+    rpc_address: str
+    load: WorkerLoad
+    sent_at: float
+    kv_events_address: str = ""
+    model_fingerprint: str = ""
+
+
+# ---------------------------------------------------------------- transfer plane
+
+
+class PullBlocks(_Message, tag="pull"):
+    handle: str
+    block_indices: list[int]
+    layout: KVLayoutSpec
+
+
+class PullHeader(_Message, tag="pull_header"):
+    """Answer to PullBlocks; when ``ok``, ``num_layers`` data messages follow."""
+
+    ok: bool
+    error: str = ""
+    num_blocks: int = 0
+    num_layers: int = 0
+
+
+class ReleaseLease(_Message, tag="release"):
+    handle: str
+    reason: str = "ack"
+
+
+class ReleaseReply(_Message, tag="release_reply"):
+    released: bool
+
+
+class TransferStatsRequest(_Message, tag="transfer_stats"):
+    pass
+
+
+class TransferStatsReply(_Message, tag="transfer_stats_reply"):
+    counters: TransferCounters
+    layout: KVLayoutSpec | None = None
+
+
+Message = Union[
+    GenerateRequest,
+    AbortRequest,
+    StatsRequest,
+    GenerateChunk,
+    ErrorReply,
+    WorkerStats,
+    Heartbeat,
+    PullBlocks,
+    PullHeader,
+    ReleaseLease,
+    ReleaseReply,
+    TransferStatsRequest,
+    TransferStatsReply,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: _Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Decode one frame; anything malformed or unknown raises WireError."""
+    try:
+        return _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise WireError(f"malformed message: {error}") from error
+
+
+class _RequestIdOnly(msgspec.Struct, forbid_unknown_fields=False):
+    request_id: str | None = None
+
+
+def peek_request_id(frame: bytes | memoryview) -> str | None:
+    """Best-effort request id of a frame that failed to decode, so the error can be routed."""
+    try:
+        return msgspec.msgpack.decode(frame, type=_RequestIdOnly).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def to_dict(struct: msgspec.Struct) -> dict:
+    """A struct as plain builtins, e.g. to travel inside vLLM's kv_transfer_params."""
+    return msgspec.to_builtins(struct)
+
+
+def from_dict(data: dict, kind: type[msgspec.Struct]):
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as error:
+        raise WireError(f"malformed {kind.__name__}: {error}") from error

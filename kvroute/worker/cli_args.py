@@ -1,0 +1,55 @@
+"""Command-line flags of a worker process, mapped onto ``WorkerSettings`` in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvroute.worker.settings import WorkerSettings
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkerSettings(role="prefill", model="")
+    parser.add_argument("--model", default=os.environ.get("KVROUTE_MODEL"),
+                        help="model folder or hub id (default: SmolLM2-135M-Instruct, prepared on demand)")
+    parser.add_argument("--worker-id", default="", help="stable name of this worker (default: role + random)")
+    parser.add_argument("--dtype", default=defaults.dtype, help="engine dtype (default: %(default)s)")
+    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib,
+                        help="KV cache size in GiB, fractions allowed (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: engine's)")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                        help="longest prompt + output in tokens (default: %(default)s)")
+    parser.add_argument("--host", default=defaults.host, help="address peers use to reach this worker")
+    parser.add_argument("--bind-host", default=defaults.bind_host, help="interface to bind (default: %(default)s)")
+    for name in ("rpc", "heartbeat", "kv-events", "transfer"):
+        parser.add_argument(f"--{name}-port", type=int, default=0, help=f"{name} port (default: a free one)")
+    parser.add_argument("--lease-seconds", type=float, default=defaults.lease_seconds,
+                        help="producer: free unpulled blocks after this long (default: %(default)s)")
+    parser.add_argument("--pull-timeout-seconds", type=float, default=defaults.pull_timeout_seconds,
+                        help="consumer: recompute when a pull takes longer (default: %(default)s)")
+    parser.add_argument("--omp-threads-bind", default=None,
+                        help="CPU cores for the engine's OpenMP threads, e.g. '0' or '0-3' (CPU builds)")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="write the worker's addresses as JSON here once it serves")
+
+
+def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
+    from kvroute.model_prep import resolve_model
+
+    return WorkerSettings(
+        role=role, model=resolve_model(args.model), worker_id=args.worker_id, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, max_model_len=args.max_model_len,
+        host=args.host, bind_host=args.bind_host, rpc_port=args.rpc_port,
+        heartbeat_port=args.heartbeat_port, kv_events_port=args.kv_events_port,
+        transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
+        pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind)
+
+
+def main(role: str, argv: list[str] | None = None) -> None:
+    from kvroute.worker.process import run_worker
+
+    parser = argparse.ArgumentParser(prog=f"{role}_worker", description=f"kvroute {role} worker")
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    run_worker(settings_from_args(args, role), args.ready_file)

@@ -1,0 +1,131 @@
+"""One worker process: a vLLM engine, its RPC server and its heartbeats.
+
+Start-up order: pick ports → start the engine (vLLM spawns the engine core and the
+model worker, where the connector's transfer endpoint binds) → read the KV layout
+from the transfer endpoint → serve RPC and heartbeats → announce readiness. SIGTERM
+or SIGINT stops the RPC server, then the engine; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+from kvroute import wire
+from kvroute.worker.engine import start_engine
+from kvroute.worker.engine_stats import EngineStats
+from kvroute.worker.heartbeat import publish_heartbeats
+from kvroute.worker.rpc_server import RpcServer
+from kvroute.worker.settings import WorkerSettings
+from kvroute.netutil import tcp
+from transfer.block_client import PullFailed, fetch_transfer_stats
+
+logger = logging.getLogger("kvroute.worker")
+
+
+class Worker:
+    """Holds the engine and answers what the RPC and heartbeats ask about it."""
+
+    def __init__(self, settings: WorkerSettings, ready_file: Path | None = None):
+        self.settings = settings.with_ports()
+        self.ready_file = ready_file
+        self.stats = EngineStats()
+        self.engine = None
+        self.server: RpcServer | None = None
+        self.layout: wire.KVLayoutSpec | None = None
+
+    async def run(self) -> None:
+        stop = _stop_event()
+        self.engine = start_engine(self.settings, self.stats)
+        try:
+            self.layout = (await self._transfer_stats(attempts=50)).layout
+            self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
+                                    self.worker_stats)
+            tasks = [asyncio.create_task(self.server.serve()),
+                     asyncio.create_task(publish_heartbeats(
+                         tcp(self.settings.bind_host, self.settings.heartbeat_port),
+                         self.heartbeat, self.settings.heartbeat_seconds))]
+            self._announce()
+            await _until_stopped_or_failed(stop, tasks)
+            logger.info("worker %s stopping", self.settings.worker_id)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self.engine.shutdown()
+
+    async def _transfer_stats(self, attempts: int = 1) -> wire.TransferStatsReply:
+        for attempt in range(attempts):
+            try:
+                return await asyncio.to_thread(fetch_transfer_stats, zmq.Context.instance(),
+                                               self.settings.transfer_address)
+            except PullFailed:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    def load(self) -> wire.WorkerLoad:
+        config = self.engine.vllm_config.cache_config
+        total = config.num_gpu_blocks or 0
+        used = round(self.stats.kv_cache_usage * total)
+        return wire.WorkerLoad(
+            num_running=self.stats.num_running, num_waiting=self.stats.num_waiting,
+            num_queued_prefill_tokens=sum(self.server.prompt_tokens_waiting.values()) if self.server else 0,
+            num_free_blocks=total - used, num_total_blocks=total,
+            block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
+
+    def heartbeat(self, now: float) -> wire.Heartbeat:
+        return wire.Heartbeat(worker_id=self.settings.worker_id, role=self.settings.role,
+                              incarnation=self.settings.incarnation, rpc_address=self.settings.rpc_address,
+                              load=self.load(), sent_at=now,
+                              kv_events_address=self.settings.kv_events_address)
+
+    async def worker_stats(self) -> wire.WorkerStats:
+        transfer = await self._transfer_stats()
+        return wire.WorkerStats(worker_id=self.settings.worker_id, role=self.settings.role,
+                                incarnation=self.settings.incarnation, load=self.load(),
+                                transfer=transfer.counters, prompt_tokens=self.stats.prompt_tokens(),
+                                num_active_requests=self.server.num_active_requests if self.server else 0)
+
+    def _announce(self) -> None:
+        info = {"worker_id": self.settings.worker_id, "role": self.settings.role,
+                "incarnation": self.settings.incarnation, "rpc_address": self.settings.rpc_address,
+                "heartbeat_address": self.settings.heartbeat_address,
+                "kv_events_address": self.settings.kv_events_address,
+                "transfer_address": self.settings.transfer_address,
+                "bytes_per_block": self.layout.bytes_per_block, "ready_at": time.time()}
+        logger.info("worker ready: %s", json.dumps(info))
+        if self.ready_file is not None:
+            tmp = self.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(info))
+            tmp.replace(self.ready_file)
+
+
+async def _until_stopped_or_failed(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Return on a stop signal, or raise if a serving task died on its own."""
+    stop_waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stop_waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    stop_waiter.cancel()
+    for task in done:
+        if task is not stop_waiter:
+            raise RuntimeError(f"worker task {task.get_coro().__name__} ended unexpectedly") from task.exception()
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(Worker(settings, ready_file).run())

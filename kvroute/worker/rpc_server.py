@@ -1,0 +1,136 @@
+"""The worker's ZMQ RPC: generate (streamed), abort, stats. One ROUTER socket.
+
+Each ``GenerateRequest`` becomes an asyncio task that streams ``GenerateChunk``s to
+the caller's identity until vLLM finishes the request; ``AbortRequest`` cancels it.
+Malformed frames get an ``ErrorReply``; nothing a client sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from kvroute import wire
+from kvroute.netutil import async_context
+from kvroute.worker.generation import engine_prompt, sampling_params, to_chunk
+
+logger = logging.getLogger("kvroute.worker.rpc")
+
+StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
+
+
+class RpcServer:
+    """Owns the socket and the table of running generate tasks."""
+
+    def __init__(self, engine, bind_address: str, stats: StatsProvider):
+        self.engine = engine
+        self._stats = stats
+        self._context = async_context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(bind_address)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.prompt_tokens_waiting: dict[str, int] = {}  # accepted, no output yet
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._tasks)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                identity, *frames = await self._socket.recv_multipart()
+                await self._handle(identity, frames)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._socket.close(linger=0)
+
+    async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 1:
+                raise wire.WireError(f"expected one frame, got {len(frames)}")
+            message = wire.decode(frames[0])
+        except wire.WireError as error:
+            logger.warning("malformed RPC frame: %s", error)
+            request_id = wire.peek_request_id(frames[0]) if len(frames) == 1 else None
+            await self._send(identity, wire.ErrorReply(request_id=request_id, code="bad_request",
+                                                       message=str(error)))
+            return
+        if isinstance(message, wire.GenerateRequest):
+            self._start_generate(identity, message)
+        elif isinstance(message, wire.AbortRequest):
+            await self._abort(message.request_id)
+        elif isinstance(message, wire.StatsRequest):
+            reply = await self._stats()
+            reply.request_id = message.request_id
+            await self._send(identity, reply)
+        else:
+            await self._send(identity, wire.ErrorReply(
+                request_id=None, code="bad_request", message=f"unexpected {type(message).__name__}"))
+
+    def _start_generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
+        problem = validate(request)
+        if problem is None and request.request_id in self._tasks:
+            problem = f"request id {request.request_id!r} is already running"
+        if problem is not None:
+            asyncio.ensure_future(self._send(identity, wire.ErrorReply(
+                request_id=request.request_id, code="invalid_request", message=problem)))
+            return
+        task = asyncio.create_task(self._generate(identity, request))
+        self._tasks[request.request_id] = task
+        task.add_done_callback(lambda _: self._forget(request.request_id, task))
+
+    def _forget(self, request_id: str, task: asyncio.Task) -> None:
+        if self._tasks.get(request_id) is task:
+            del self._tasks[request_id]
+        self.prompt_tokens_waiting.pop(request_id, None)
+
+    async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
+        request_id = request.request_id
+        self.prompt_tokens_waiting[request_id] = len(request.prompt_token_ids)
+        try:
+            stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
+            async for output in stream:
+                self.prompt_tokens_waiting.pop(request_id, None)
+                await self._send(identity, to_chunk(request_id, output))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # an engine error fails this request, not the worker
+            logger.warning("request %s failed: %s", request_id, error)
+            await self._send(identity, wire.ErrorReply(request_id=request_id, code=error_code(error),
+                                                       message=str(error)))
+
+    async def _abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is None:
+            return
+        await self.engine.abort(request_id)
+        task.cancel()
+        logger.info("aborted request %s", request_id)
+
+    async def _send(self, identity: bytes, message: wire._Message) -> None:
+        await self._socket.send_multipart([identity, wire.encode(message)])
+
+
+def validate(request: wire.GenerateRequest) -> str | None:
+    """A reason to refuse the request before it reaches the engine, or None."""
+    if not request.prompt_token_ids:
+        return "prompt_token_ids is empty"
+    if any(token < 0 for token in request.prompt_token_ids):
+        return "prompt_token_ids contains a negative id"
+    if request.sampling.max_tokens < 1:
+        return "max_tokens must be at least 1"
+    return None
+
+
+def error_code(error: Exception) -> str:
+    return "invalid_request" if isinstance(error, (ValueError, TypeError)) else "engine_error"

@@ -1,0 +1,71 @@
+"""Settings of one worker process: typed, validated, frozen."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field, replace
+
+from kvroute.netutil import free_port, tcp
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    model: str
+    worker_id: str = ""
+    dtype: str = "bfloat16"
+    kv_cache_gib: float = 0.25
+    block_size: int | None = None  # None: the engine's default (128 on CPU)
+    max_model_len: int = 8192
+    host: str = "127.0.0.1"  # address other processes use to reach this worker
+    bind_host: str = "127.0.0.1"
+    rpc_port: int = 0  # 0: pick a free port at start
+    heartbeat_port: int = 0
+    kv_events_port: int = 0
+    transfer_port: int = 0
+    heartbeat_seconds: float = 1.0
+    lease_seconds: float = 30.0
+    pull_timeout_seconds: float = 10.0
+    enforce_eager: bool = True
+    seed: int = 0
+    omp_threads_bind: str | None = None
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")
+
+    def with_ports(self) -> "WorkerSettings":
+        """Concrete ports for every endpoint left at 0, and a worker id if missing."""
+        pick = lambda port: port or free_port(self.bind_host)  # noqa: E731
+        return replace(
+            self,
+            worker_id=self.worker_id or f"{self.role}-{self.incarnation[:8]}",
+            rpc_port=pick(self.rpc_port), heartbeat_port=pick(self.heartbeat_port),
+            kv_events_port=pick(self.kv_events_port), transfer_port=pick(self.transfer_port))
+
+    @property
+    def rpc_address(self) -> str:
+        return tcp(self.host, self.rpc_port)
+
+    @property
+    def heartbeat_address(self) -> str:
+        return tcp(self.host, self.heartbeat_port)
+
+    @property
+    def kv_events_address(self) -> str:
+        return tcp(self.host, self.kv_events_port)
+
+    @property
+    def transfer_address(self) -> str:
+        return tcp(self.host, self.transfer_port)
+
+    def apply_environment(self) -> None:
+        """Process-wide settings vLLM reads from the environment; call before the engine starts."""
+        if self.omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind

@@ -1,0 +1,1 @@
+"""kvroute's orchestrator: places requests on workers and drives them."""

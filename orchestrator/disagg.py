@@ -1,0 +1,120 @@
+"""Driving one request through prefill worker → KV transfer → decode worker.
+
+::
+
+    prefill worker: prompt, max_tokens=1, hold_blocks ──▶ t1 + PullSource (lease)
+         │ t1 is yielded to the caller at once (early first token)
+         ├─ t1 ends the request ──▶ release the lease now, done
+         ▼
+    decode worker: prompt + [t1], max_tokens-1, pull_from=PullSource
+         │ its connector pulls only the blocks it lacks, computes the tail
+         ▼ tokens 2..N streamed back
+
+If anything fails or the caller stops early, both workers get an abort and the lease
+is released, so no blocks stay held on the producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvroute import wire
+from orchestrator.worker_client import WorkerClient
+from transfer.block_client import release_lease
+
+logger = logging.getLogger("kvroute.orchestrator.disagg")
+
+
+@dataclass
+class HandoffRecord:
+    """What happened to one disaggregated request, for logs and decision records."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    pull_source: wire.PullSource | None = None
+    first_token_at: float | None = None
+    second_token_at: float | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+def first_token_ends(chunk: wire.GenerateChunk, sampling: wire.SamplingSpec) -> bool:
+    """Whether the prefill worker's single token already finishes the request."""
+    return sampling.max_tokens <= 1 or chunk.finish_reason == "stop"
+
+
+def prefill_sampling(sampling: wire.SamplingSpec) -> wire.SamplingSpec:
+    return msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+
+
+def decode_sampling(sampling: wire.SamplingSpec) -> wire.SamplingSpec:
+    return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - 1,
+                                   min_tokens=max(sampling.min_tokens - 1, 0))
+
+
+async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, record: HandoffRecord,
+                                 prompt_token_ids: list[int], sampling: wire.SamplingSpec,
+                                 cache_salt: str | None = None,
+                                 timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
+    """Yield chunks of generated tokens; ``record`` is filled in as the request runs."""
+    record.prompt_tokens = len(prompt_token_ids)
+    first = await _prefill(prefill, record, prompt_token_ids, sampling, cache_salt, timeout)
+    source = first.pull_source
+    ends = first_token_ends(first, sampling)
+    head = msgspec.structs.replace(first, finished=ends, pull_source=None,
+                                   finish_reason=first.finish_reason if ends else None)
+    _observe(record, head)
+    try:
+        yield head
+        if ends:
+            return
+        async for chunk in decode.generate(wire.GenerateRequest(
+                request_id=record.request_id, prompt_token_ids=prompt_token_ids + first.token_ids,
+                sampling=decode_sampling(sampling), cache_salt=cache_salt, pull_from=source), timeout):
+            _observe(record, chunk)
+            source = None if chunk.finished else source  # the consumer owns the lease now
+            yield chunk
+    finally:
+        if source is not None:
+            await release(source, "abort" if not ends else "first_token_finished")
+
+
+async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
+                   sampling: wire.SamplingSpec, cache_salt: str | None, timeout: float) -> wire.GenerateChunk:
+    request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=prefill_sampling(sampling), cache_salt=cache_salt, hold_blocks=True)
+    chunks = [chunk async for chunk in prefill.generate(request, timeout)]
+    first = chunks[-1]
+    first.token_ids = [t for chunk in chunks for t in chunk.token_ids]
+    first.logprobs = [lp for chunk in chunks for lp in (chunk.logprobs or [])] or None
+    record.prefill_cached_tokens = first.num_cached_tokens
+    record.pull_source = first.pull_source
+    return first
+
+
+def _observe(record: HandoffRecord, chunk: wire.GenerateChunk) -> None:
+    now = time.perf_counter()
+    for _ in chunk.token_ids:
+        if record.first_token_at is None:
+            record.first_token_at = now
+        elif record.second_token_at is None:
+            record.second_token_at = now
+    record.token_ids.extend(chunk.token_ids)
+    if chunk.finished:
+        record.finish_reason = chunk.finish_reason
+
+
+async def release(source: wire.PullSource, reason: str) -> bool:
+    """Give a lease back to its producer (best effort; the lease expires anyway)."""
+    released = await asyncio.to_thread(release_lease, zmq.Context.instance(), source.address,
+                                       source.handle, reason)
+    logger.debug("lease release (%s): %s", reason, released)
+    return released

@@ -1,0 +1,117 @@
+"""Asyncio client of one worker's RPC: streamed generate, abort, stats.
+
+One DEALER socket per worker; a receive task routes replies to per-request queues.
+Every wait has a timeout, because ZeroMQ never reports a dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from kvroute import wire
+from kvroute.netutil import async_context
+
+logger = logging.getLogger("kvroute.orchestrator.client")
+
+
+class WorkerError(RuntimeError):
+    """The worker answered a request with an error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class WorkerTimeout(WorkerError):
+    def __init__(self, message: str):
+        super().__init__("timeout", message)
+
+
+class WorkerClient:
+    """Owned by one event loop; ``_queues`` is written only by that loop."""
+
+    def __init__(self, address: str, context: zmq.asyncio.Context | None = None):
+        self.address = address
+        self._context = context or async_context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    async def close(self) -> None:
+        self._receiver.cancel()
+        await asyncio.gather(self._receiver, return_exceptions=True)
+        self._socket.close(linger=0)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            try:
+                message = wire.decode(frame)
+            except wire.WireError as error:
+                logger.warning("undecodable reply from %s: %s", self.address, error)
+                continue
+            queue = self._queues.get(getattr(message, "request_id", None) or "")
+            if queue is not None:
+                queue.put_nowait(message)
+
+    async def _send(self, message: wire._Message) -> None:
+        await self._socket.send(wire.encode(message))
+
+    async def generate(self, request: wire.GenerateRequest, timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
+        """Stream the request's chunks; abort it on the worker if the caller stops early."""
+        queue = self._open(request.request_id)
+        finished = False
+        try:
+            await self._send(request)
+            while not finished:
+                chunk = await self._next(queue, timeout, request.request_id)
+                finished = chunk.finished
+                yield chunk
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished:
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(wire.AbortRequest(request_id=request_id))
+
+    async def stats(self, timeout: float = 5.0) -> wire.WorkerStats:
+        request_id = f"stats-{uuid.uuid4().hex}"
+        queue = self._open(request_id)
+        try:
+            await self._send(wire.StatsRequest(request_id=request_id))
+            reply = await self._wait(queue, timeout, request_id)
+        finally:
+            self._queues.pop(request_id, None)
+        if not isinstance(reply, wire.WorkerStats):
+            raise WorkerError("bad_reply", f"expected stats, got {type(reply).__name__}")
+        return reply
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._queues:
+            raise WorkerError("duplicate", f"request {request_id} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    async def _next(self, queue: asyncio.Queue, timeout: float, request_id: str) -> wire.GenerateChunk:
+        message = await self._wait(queue, timeout, request_id)
+        if isinstance(message, wire.ErrorReply):
+            raise WorkerError(message.code, message.message)
+        if not isinstance(message, wire.GenerateChunk):
+            raise WorkerError("bad_reply", f"expected a chunk, got {type(message).__name__}")
+        return message
+
+    async def _wait(self, queue: asyncio.Queue, timeout: float, request_id: str) -> wire.Message:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise WorkerTimeout(f"{self.address} sent nothing for {request_id} in {timeout:.0f} s") from None

@@ -1,0 +1,1 @@
+"""The KV transfer plane: the vLLM connector and the block transport under it."""

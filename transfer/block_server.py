@@ -1,0 +1,165 @@
+"""The transfer endpoint of one engine: serves leased blocks, releases, and counters.
+
+Runs as a daemon thread inside vLLM's model-worker process, next to the KV cache it
+reads. Protocol over one ROUTER socket (client: a DEALER)::
+
+    PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
+    ReleaseLease ──▶ ReleaseReply
+    TransferStatsRequest ──▶ TransferStatsReply
+    anything else ──▶ ErrorReply, and the server stays up
+
+A pull may arrive before the engine has granted its lease (grants reach this process
+one engine step after the request finished), so unknown handles are parked briefly
+before being refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvroute import wire
+from transfer.counters import Counters
+from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
+from transfer.leases import LeaseTable
+from transfer.send_buffers import SendBufferPool, send_frame
+
+logger = logging.getLogger("kvroute.transfer.server")
+
+
+@dataclass
+class _ParkedPull:
+    identity: bytes
+    request: wire.PullBlocks
+    give_up_at: float
+
+
+class BlockServer:
+    """Owns its socket and send buffers; reads ``cache`` only through leased blocks."""
+
+    POLL_MS = 5
+
+    def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
+                 counters: Counters, park_seconds: float = 5.0):
+        self.cache = cache
+        self.leases = leases
+        self.counters = counters
+        self.park_seconds = park_seconds
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(bind_address)
+        self._buffers = SendBufferPool()
+        self._parked: list[_ParkedPull] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvroute-block-server", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2)
+        self._socket.close(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if poller.poll(self.POLL_MS):
+                identity, *frames = self._socket.recv_multipart()
+                self._handle(identity, frames)
+            self._retry_parked(time.monotonic())
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 1:
+                raise wire.WireError(f"expected one frame, got {len(frames)}")
+            message = wire.decode(frames[0])
+        except wire.WireError as error:
+            self._reply(identity, wire.ErrorReply(request_id=None, code="bad_request", message=str(error)))
+            return
+        try:
+            self._dispatch(identity, message)
+        except Exception as error:  # the server must outlive any single bad request
+            logger.exception("transfer request failed")
+            self._reply(identity, wire.ErrorReply(request_id=None, code="internal", message=str(error)))
+
+    def _dispatch(self, identity: bytes, message: wire.Message) -> None:
+        if isinstance(message, wire.PullBlocks):
+            self._start_pull(identity, message)
+        elif isinstance(message, wire.ReleaseLease):
+            released = self.leases.release(message.handle)
+            if released:
+                logger.debug("lease released (%s)", message.reason)
+            self._reply(identity, wire.ReleaseReply(released=released))
+        elif isinstance(message, wire.TransferStatsRequest):
+            self._reply(identity, wire.TransferStatsReply(counters=self.snapshot(), layout=self.cache.spec))
+        else:
+            self._reply(identity, wire.ErrorReply(
+                request_id=None, code="bad_request",
+                message=f"unexpected message {type(message).__name__} on the transfer endpoint"))
+
+    def snapshot(self) -> wire.TransferCounters:
+        leases = self.leases
+        return self.counters.snapshot(active_leases=len(leases), leases_granted=leases.num_granted,
+                                      leases_released=leases.num_released, leases_expired=leases.num_expired)
+
+    def _start_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
+        if self.leases.get(request.handle) is None:
+            self._parked.append(_ParkedPull(identity, request, time.monotonic() + self.park_seconds))
+            return
+        self._serve_pull(identity, request)
+
+    def _retry_parked(self, now: float) -> None:
+        if not self._parked:
+            return
+        waiting, self._parked = self._parked, []
+        for parked in waiting:
+            if self.leases.get(parked.request.handle) is not None:
+                self._serve_pull(parked.identity, parked.request)
+            elif parked.give_up_at <= now:
+                self._refuse(parked.identity, "unknown or expired handle")
+            else:
+                self._parked.append(parked)
+
+    def _serve_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
+        lease = self.leases.get(request.handle)
+        if lease is None:
+            self._refuse(identity, "unknown or expired handle")
+            return
+        try:
+            self.cache.check_compatible(request.layout)
+            block_ids = [lease.block_ids[i] for i in self._checked_indices(request, lease.block_ids)]
+        except (LayoutMismatch, IndexError) as error:
+            self._refuse(identity, str(error))
+            return
+        self._reply(identity, wire.PullHeader(ok=True, num_blocks=len(block_ids),
+                                              num_layers=self.cache.spec.num_layers))
+        self._send_layers(identity, block_ids)
+
+    @staticmethod
+    def _checked_indices(request: wire.PullBlocks, leased: tuple[int, ...]) -> list[int]:
+        for index in request.block_indices:
+            if not 0 <= index < len(leased):
+                raise IndexError(f"block index {index} outside the lease's {len(leased)} blocks")
+        return request.block_indices
+
+    def _send_layers(self, identity: bytes, block_ids: list[int]) -> None:
+        index = block_index_tensor(block_ids)
+        nbytes = len(block_ids) * self.cache.layer_bytes_per_block
+        for layer in range(self.cache.spec.num_layers):
+            slot, buffer = self._buffers.acquire(nbytes)
+            self.cache.gather_layer(layer, index, buffer)
+            self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
+        self.counters.add(bytes_sent=nbytes * self.cache.spec.num_layers, blocks_sent=len(block_ids))
+
+    def _refuse(self, identity: bytes, reason: str) -> None:
+        self._reply(identity, wire.PullHeader(ok=False, error=reason))
+
+    def _reply(self, identity: bytes, message: wire._Message) -> None:
+        self._socket.send_multipart([identity, wire.encode(message)])

@@ -1,0 +1,107 @@
+"""The worker half of the kvroute connector (runs in vLLM's model-worker process).
+
+It owns the transfer endpoint (``BlockServer``) beside the KV cache, the lease table
+of a producer, and the pulls of a consumer. Pulls run on a small thread pool and
+write only into blocks vLLM allocated for them; vLLM does not read those blocks until
+the pull is reported finished. A failed pull is reported as failed, and vLLM
+(``kv_load_failure_policy="recompute"``) computes the prompt locally instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import zmq
+
+from transfer.block_client import PullFailed, pull_blocks, release_lease
+from transfer.block_server import BlockServer
+from transfer.counters import Counters
+from transfer.kv_layout import PagedKVCache, block_index_tensor
+from transfer.leases import Lease, LeaseTable
+from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.settings import ConnectorSettings
+
+logger = logging.getLogger("kvroute.transfer.worker")
+
+
+class ConnectorWorker:
+    """Engine-thread methods: register, start_loads, take_results. Pull threads only
+    append to the result sets under ``_lock``."""
+
+    def __init__(self, settings: ConnectorSettings, num_blocks: int, block_size: int):
+        self.settings = settings
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.leases = LeaseTable()
+        self.counters = Counters()
+        self.cache: PagedKVCache | None = None
+        self.server: BlockServer | None = None
+        self._context = zmq.Context.instance()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull")
+        self._lock = threading.Lock()
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
+        self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
+                                  self.counters, self.settings.park_seconds)
+        self.server.start()
+        logger.info("kvroute transfer endpoint on %s (layout %s)", self.settings.transfer_bind, self.cache.spec)
+
+    def start(self, metadata: KVRouteConnectorMetadata) -> None:
+        now = time.monotonic()
+        for grant in metadata.grants:
+            self.leases.grant(Lease(grant.handle, grant.request_id, grant.block_ids, grant.num_tokens,
+                                    now + self.settings.lease_seconds))
+        for load in metadata.loads:
+            self.counters.add(active_pulls=1)
+            self._pool.submit(self._pull, load)
+        for source, reason in metadata.releases:
+            self._pool.submit(release_lease, self._context, source.address, source.handle, reason)
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving), each reported once."""
+        for lease in self.leases.expire(time.monotonic()):
+            logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
+        finished_sending = self.leases.take_ended_request_ids()
+        with self._lock:
+            finished, self._finished_loads = self._finished_loads, set()
+            failed, self._failed_loads = self._failed_loads, set()
+        return finished_sending, finished | failed, failed
+
+    def _pull(self, load: LoadSpec) -> None:
+        try:
+            nbytes = self._pull_into_cache(load)
+            self.counters.add(bytes_received=nbytes, blocks_received=len(load.local_block_ids), pulls_ok=1)
+            release_lease(self._context, load.source.address, load.source.handle, "ack")
+            self._finish(load.request_id, failed=False)
+        except Exception as error:  # any failure falls back to recompute, never a lost request
+            logger.warning("pull for request %s failed (%s); recomputing locally", load.request_id, error)
+            self.counters.add(pulls_failed=1)
+            self._finish(load.request_id, failed=True)
+
+    def _pull_into_cache(self, load: LoadSpec) -> int:
+        assert self.cache is not None, "KV caches were never registered"
+        cache = self.cache
+        local = block_index_tensor(load.local_block_ids)
+        deadline = time.monotonic() + self.settings.pull_timeout_seconds
+        return pull_blocks(self._context, load.source, load.remote_indices, cache.spec,
+                           lambda layer, data: cache.scatter_layer(layer, local, data), deadline)
+
+    def _finish(self, request_id: str, failed: bool) -> None:
+        self.counters.add(active_pulls=-1)
+        with self._lock:
+            (self._failed_loads if failed else self._finished_loads).add(request_id)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
+
+
+__all__ = ["ConnectorWorker", "PullFailed"]

@@ -1,0 +1,28 @@
+"""Transfer counters shared by the block server and the puller of one engine."""
+
+from __future__ import annotations
+
+import threading
+
+from kvroute.wire import TransferCounters
+
+
+class Counters:
+    """Monotonic counters; many threads add, ``snapshot`` reads them consistently."""
+
+    def __init__(self):
+        self._values = TransferCounters()
+        self._lock = threading.Lock()
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, amount in increments.items():
+                setattr(self._values, name, getattr(self._values, name) + amount)
+
+    def snapshot(self, **current: int) -> TransferCounters:
+        """A copy of the counters, with gauges (``active_leases`` …) filled in."""
+        with self._lock:
+            values = TransferCounters(**{f: getattr(self._values, f) for f in self._values.__struct_fields__})
+        for name, value in current.items():
+            setattr(values, name, value)
+        return values

@@ -1,0 +1,32 @@
+"""Connector settings, read once from vLLM's ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Defaults are the documented ones (README, "Transfer settings")."""
+
+    # Where this engine's transfer endpoint binds, and the address peers use to reach it.
+    transfer_bind: str = "tcp://127.0.0.1:0"
+    transfer_address: str = ""
+    # A producer frees leased blocks after this long even if no consumer pulled them.
+    lease_seconds: float = 30.0
+    # A consumer gives up a pull after this long and recomputes the prompt instead.
+    pull_timeout_seconds: float = 10.0
+    # A pull that races ahead of its lease grant waits this long for it.
+    park_seconds: float = 5.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kvroute connector settings: {sorted(unknown)}")
+        settings = cls(**extra)
+        if not settings.transfer_address:
+            raise ValueError("kvroute connector needs transfer_address (the advertised endpoint)")
+        return settings
