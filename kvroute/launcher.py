@@ -1,0 +1,96 @@
+"""Starting and stopping worker processes on this machine (tests, scripts, ``kvroute serve``).
+
+Each worker runs as ``python -m <role>_worker`` in its own process group, announces
+its addresses through a ready file, and is stopped with SIGTERM (SIGKILL after a
+grace period) so that vLLM's own child processes go with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class LaunchedWorker:
+    role: str
+    process: subprocess.Popen
+    ready_file: Path
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def rpc_address(self) -> str:
+        return self.info["rpc_address"]
+
+    @property
+    def transfer_address(self) -> str:
+        return self.info["transfer_address"]
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return self.info
+            if self.process.poll() is not None:
+                raise WorkerStartError(f"{self.role} worker exited with {self.process.returncode}; "
+                                       f"see {self.log_path}:\n{tail(self.log_path)}")
+            time.sleep(0.5)
+        raise WorkerStartError(f"{self.role} worker not ready after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the worker's process group, SIGKILL it if it lingers."""
+        if self.process.poll() is not None:
+            return
+        _signal_group(self.process, signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, signal.SIGKILL)
+            self.process.wait(5)
+
+    def kill(self) -> None:
+        """Die at once, as a crashed worker would."""
+        _signal_group(self.process, signal.SIGKILL)
+        self.process.wait(10)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch_worker(role: str, args: list[str], log_dir: Path | None = None,
+                  env: dict[str, str] | None = None) -> LaunchedWorker:
+    """Start ``python -m <role>_worker ARGS`` without waiting for it to be ready."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvroute-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{role}-{time.monotonic_ns()}"
+    ready_file = log_dir / f"{stamp}.ready.json"
+    log_path = log_dir / f"{stamp}.log"
+    command = [sys.executable, "-m", f"{role}_worker", *args, "--ready-file", str(ready_file)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+    return LaunchedWorker(role, process, ready_file, log_path)

