@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvroute import model_prep
+from kvroute import config, model_prep
 from kvroute.worker import cli_args as worker_cli
 
 
@@ -17,7 +17,39 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(f"{role}-worker", help=f"run one {role} worker (a vLLM engine)")
         worker_cli.add_worker_arguments(sub)
         sub.set_defaults(func=lambda args, role=role: _run_worker(args, role))
+    orchestrator = commands.add_parser("orchestrator", help="run the orchestrator (OpenAI API + registry)")
+    _add_orchestrator_arguments(orchestrator)
+    orchestrator.set_defaults(func=_run_orchestrator)
+    serve = commands.add_parser("serve", help="the embedded default: orchestrator plus worker pools on "
+                                              "this machine, stopped together with Ctrl-C")
+    _add_orchestrator_arguments(serve)
+    from kvroute.serve import PoolSettings
+
+    config.add_arguments(serve, PoolSettings, with_config_flag=False)
+    serve.set_defaults(func=_run_serve)
     return parser
+
+
+def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
+    from orchestrator.settings import OrchestratorSettings
+
+    config.add_arguments(parser, OrchestratorSettings)
+
+
+def _run_orchestrator(args: argparse.Namespace) -> int:
+    from orchestrator.app import run_orchestrator
+    from orchestrator.settings import OrchestratorSettings
+
+    run_orchestrator(config.load(OrchestratorSettings, args))
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvroute.serve import PoolSettings, run_serve
+    from orchestrator.settings import OrchestratorSettings
+
+    return run_serve(config.load(OrchestratorSettings, args, only_known=True),
+                     config.load(PoolSettings, args, only_known=True))
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
@@ -28,8 +60,13 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (config.ConfigError, ValueError) as error:
+        parser.error(str(error))
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,15 +51,18 @@ class LaunchedWorker:
         raise WorkerStartError(f"{self.role} worker not ready after {timeout:.0f} s; see {self.log_path}")
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the worker's process group, SIGKILL it if it lingers."""
-        if self.process.poll() is not None:
-            return
+        """SIGTERM the worker's process group; SIGKILL whatever of it outlives ``grace``.
+
+        The group includes vLLM's engine-core and model-worker processes, which can
+        outlive the worker's own process by a few seconds.
+        """
         _signal_group(self.process, signal.SIGTERM)
-        try:
-            self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.process, signal.SIGKILL)
-            self.process.wait(5)
+        deadline = time.monotonic() + grace
+        while _group_alive(self.process) and time.monotonic() < deadline:
+            self.process.poll()  # reap our child so it does not count as alive
+            time.sleep(0.2)
+        _signal_group(self.process, signal.SIGKILL)
+        self.process.wait(10)
 
     def kill(self) -> None:
         """Die at once, as a crashed worker would."""
@@ -72,6 +75,14 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    try:
+        os.killpg(process.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -173,6 +173,14 @@ class Heartbeat(_Message, tag="heartbeat"):
     model_fingerprint: str = ""
 
 
+class RegisterReply(_Message, tag="register_reply"):
+    """The orchestrator's answer to a heartbeat: is this worker in rotation?"""
+
+    accepted: bool
+    reason: str = ""
+    orchestrator_id: str = ""
+
+
 # ---------------------------------------------------------------- transfer plane
 
 
@@ -217,6 +225,7 @@ Message = Union[
     ErrorReply,
     WorkerStats,
     Heartbeat,
+    RegisterReply,
     PullBlocks,
     PullHeader,
     ReleaseLease,
@@ -228,6 +237,10 @@ Message = Union[
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
+# msgspec reports invalid UTF-8 in a string as UnicodeDecodeError and deep nesting
+# (even inside an ignored unknown field) as RecursionError, not as DecodeError.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
 
 def encode(message: _Message) -> bytes:
     return _encoder.encode(message)
@@ -237,7 +250,7 @@ def decode(frame: bytes | memoryview) -> Message:
     """Decode one frame; anything malformed or unknown raises WireError."""
     try:
         return _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _DECODE_ERRORS as error:
         raise WireError(f"malformed message: {error}") from error
 
 
@@ -249,7 +262,7 @@ def peek_request_id(frame: bytes | memoryview) -> str | None:
     """Best-effort request id of a frame that failed to decode, so the error can be routed."""
     try:
         return msgspec.msgpack.decode(frame, type=_RequestIdOnly).request_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _DECODE_ERRORS:
         return None
 
 

@@ -22,7 +22,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + output in tokens (default: %(default)s)")
     parser.add_argument("--host", default=defaults.host, help="address peers use to reach this worker")
     parser.add_argument("--bind-host", default=defaults.bind_host, help="interface to bind (default: %(default)s)")
-    for name in ("rpc", "heartbeat", "kv-events", "transfer"):
+    parser.add_argument("--orchestrator", action="append", default=None,
+                        help="orchestrator registration address, e.g. tcp://10.0.0.1:7001; repeat for "
+                             "replicas (env KVROUTE_ORCHESTRATOR, comma-separated)")
+    parser.add_argument("--heartbeat-seconds", type=float, default=defaults.heartbeat_seconds,
+                        help="heartbeat interval (default: %(default)s)")
+    for name in ("rpc", "kv-events", "transfer"):
         parser.add_argument(f"--{name}-port", type=int, default=0, help=f"{name} port (default: a free one)")
     parser.add_argument("--lease-seconds", type=float, default=defaults.lease_seconds,
                         help="producer: free unpulled blocks after this long (default: %(default)s)")
@@ -41,9 +46,16 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         role=role, model=resolve_model(args.model), worker_id=args.worker_id, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, max_model_len=args.max_model_len,
         host=args.host, bind_host=args.bind_host, rpc_port=args.rpc_port,
-        heartbeat_port=args.heartbeat_port, kv_events_port=args.kv_events_port,
+        kv_events_port=args.kv_events_port, orchestrators=orchestrator_addresses(args),
+        heartbeat_seconds=args.heartbeat_seconds,
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
         pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind)
+
+
+def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.orchestrator:
+        return tuple(args.orchestrator)
+    return tuple(a for a in os.environ.get("KVROUTE_ORCHESTRATOR", "").split(",") if a)
 
 
 def main(role: str, argv: list[str] | None = None) -> None:

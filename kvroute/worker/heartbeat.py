@@ -1,29 +1,65 @@
-"""Heartbeats: the worker's load and identity, published on a ZMQ PUB socket."""
+"""Registration and heartbeats: the worker's identity and load, pushed to every orchestrator.
+
+Each orchestrator replica gets its own DEALER connection, so replicas need no shared
+store. The first reply (and every change of verdict) is logged: a refusal names its
+reason, e.g. a model fingerprint that differs from the orchestrator's.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
 from kvroute import wire
 from kvroute.netutil import async_context
 
-HEARTBEAT_TOPIC = b"heartbeat"
+logger = logging.getLogger("kvroute.worker.heartbeat")
 
 
-async def publish_heartbeats(bind_address: str, make: Callable[[float], wire.Heartbeat],
-                             interval_seconds: float) -> None:
-    """Publish ``make(now)`` every interval until cancelled."""
-    socket = async_context().socket(zmq.PUB)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(bind_address)
-    try:
-        while True:
-            await socket.send_multipart([HEARTBEAT_TOPIC, wire.encode(make(time.time()))])
-            await asyncio.sleep(interval_seconds)
-    finally:
-        socket.close(linger=0)
+class HeartbeatSender:
+    """One socket per orchestrator; owned by the task running ``run``."""
+
+    def __init__(self, orchestrators: tuple[str, ...], make: Callable[[float], wire.Heartbeat]):
+        self._make = make
+        self._sockets = {}
+        self._verdicts: dict[str, bool | None] = {}
+        for address in orchestrators:
+            socket = async_context().socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self._sockets[address] = socket
+            self._verdicts[address] = None
+
+    async def run(self, interval_seconds: float) -> None:
+        try:
+            while True:
+                payload = wire.encode(self._make(time.time()))
+                for address, socket in self._sockets.items():
+                    await socket.send(payload)
+                    await self._read_replies(address, socket)
+                await asyncio.sleep(interval_seconds)
+        finally:
+            for socket in self._sockets.values():
+                socket.close(linger=0)
+
+    async def _read_replies(self, address: str, socket) -> None:
+        while await socket.poll(0):
+            try:
+                reply = wire.decode(await socket.recv())
+            except wire.WireError:
+                continue
+            if isinstance(reply, wire.RegisterReply):
+                self._note(address, reply)
+
+    def _note(self, address: str, reply: wire.RegisterReply) -> None:
+        if self._verdicts[address] == reply.accepted:
+            return
+        self._verdicts[address] = reply.accepted
+        if reply.accepted:
+            logger.info("registered with orchestrator %s", address)
+        else:
+            logger.error("orchestrator %s refused this worker: %s", address, reply.reason)

@@ -20,7 +20,8 @@ import zmq
 from kvroute import wire
 from kvroute.worker.engine import start_engine
 from kvroute.worker.engine_stats import EngineStats
-from kvroute.worker.heartbeat import publish_heartbeats
+from kvroute.model_prep import model_fingerprint
+from kvroute.worker.heartbeat import HeartbeatSender
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
 from kvroute.netutil import tcp
@@ -39,6 +40,7 @@ class Worker:
         self.engine = None
         self.server: RpcServer | None = None
         self.layout: wire.KVLayoutSpec | None = None
+        self.fingerprint = model_fingerprint(self.settings.model)
 
     async def run(self) -> None:
         stop = _stop_event()
@@ -48,9 +50,8 @@ class Worker:
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats)
             tasks = [asyncio.create_task(self.server.serve()),
-                     asyncio.create_task(publish_heartbeats(
-                         tcp(self.settings.bind_host, self.settings.heartbeat_port),
-                         self.heartbeat, self.settings.heartbeat_seconds))]
+                     asyncio.create_task(HeartbeatSender(self.settings.orchestrators, self.heartbeat)
+                                         .run(self.settings.heartbeat_seconds))]
             self._announce()
             await _until_stopped_or_failed(stop, tasks)
             logger.info("worker %s stopping", self.settings.worker_id)
@@ -85,7 +86,8 @@ class Worker:
         return wire.Heartbeat(worker_id=self.settings.worker_id, role=self.settings.role,
                               incarnation=self.settings.incarnation, rpc_address=self.settings.rpc_address,
                               load=self.load(), sent_at=now,
-                              kv_events_address=self.settings.kv_events_address)
+                              kv_events_address=self.settings.kv_events_address,
+                              model_fingerprint=self.fingerprint)
 
     async def worker_stats(self) -> wire.WorkerStats:
         transfer = await self._transfer_stats()
@@ -97,7 +99,7 @@ class Worker:
     def _announce(self) -> None:
         info = {"worker_id": self.settings.worker_id, "role": self.settings.role,
                 "incarnation": self.settings.incarnation, "rpc_address": self.settings.rpc_address,
-                "heartbeat_address": self.settings.heartbeat_address,
+                "model_fingerprint": self.fingerprint,
                 "kv_events_address": self.settings.kv_events_address,
                 "transfer_address": self.settings.transfer_address,
                 "bytes_per_block": self.layout.bytes_per_block, "ready_at": time.time()}

@@ -23,9 +23,9 @@ class WorkerSettings:
     host: str = "127.0.0.1"  # address other processes use to reach this worker
     bind_host: str = "127.0.0.1"
     rpc_port: int = 0  # 0: pick a free port at start
-    heartbeat_port: int = 0
     kv_events_port: int = 0
     transfer_port: int = 0
+    orchestrators: tuple[str, ...] = ()  # registration/heartbeat endpoints to report to
     heartbeat_seconds: float = 1.0
     lease_seconds: float = 30.0
     pull_timeout_seconds: float = 10.0
@@ -46,16 +46,12 @@ class WorkerSettings:
         return replace(
             self,
             worker_id=self.worker_id or f"{self.role}-{self.incarnation[:8]}",
-            rpc_port=pick(self.rpc_port), heartbeat_port=pick(self.heartbeat_port),
+            rpc_port=pick(self.rpc_port),
             kv_events_port=pick(self.kv_events_port), transfer_port=pick(self.transfer_port))
 
     @property
     def rpc_address(self) -> str:
         return tcp(self.host, self.rpc_port)
-
-    @property
-    def heartbeat_address(self) -> str:
-        return tcp(self.host, self.heartbeat_port)
 
     @property
     def kv_events_address(self) -> str:

@@ -1,0 +1,120 @@
+"""``kvroute serve``: the embedded default — orchestrator plus worker pools on this machine.
+
+::
+
+    prepare model ─▶ start HTTP API + registry ─▶ launch N prefill + M decode workers
+        ─▶ wait until every worker registered ─▶ print the URL ─▶ serve until Ctrl-C/SIGTERM
+        ─▶ stop the API, then SIGTERM every worker (SIGKILL stragglers): no orphans
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import uvicorn
+
+from kvroute.config import setting
+from kvroute.launcher import LaunchedWorker, WorkerStartError, launch_worker
+from kvroute.model_prep import resolve_model
+from kvroute.netutil import free_port
+from orchestrator.app import create_app
+from orchestrator.settings import OrchestratorSettings
+
+logger = logging.getLogger("kvroute.serve")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    prefill_workers: int = setting(1, "prefill workers to start")
+    decode_workers: int = setting(1, "decode workers to start")
+    kv_cache_gib: float = setting(0.25, "each worker's KV cache in GiB, fractions allowed")
+    dtype: str = setting("bfloat16", "engine dtype of the workers")
+    worker_start_timeout: float = setting(600.0, "seconds to wait for the workers to register")
+    log_dir: str = setting("", "folder for the workers' logs; default: a new temporary folder")
+
+    def __post_init__(self):
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("need at least one prefill and one decode worker")
+
+
+def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, core: int) -> list[str]:
+    return ["--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(pool.kv_cache_gib),
+            "--max-model-len", str(orchestrator.max_model_len),
+            "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
+            # Engines sharing a machine get a core each, not all of them each.
+            "--omp-threads-bind", str(core)]
+
+
+def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str) -> list[LaunchedWorker]:
+    log_dir = Path(pool.log_dir or tempfile.mkdtemp(prefix="kvroute-serve-"))
+    roles = ["prefill"] * pool.prefill_workers + ["decode"] * pool.decode_workers
+    cores = os.cpu_count() or 1
+    workers = [launch_worker(role, worker_args(pool, orchestrator, model, i % cores), log_dir)
+               for i, role in enumerate(roles)]
+    logger.info("launched %d workers; logs in %s", len(workers), log_dir)
+    return workers
+
+
+async def wait_registered(app, workers: list[LaunchedWorker], timeout: float) -> None:
+    fleet = app.state.fleet
+    expected = {"prefill": sum(w.role == "prefill" for w in workers),
+                "decode": sum(w.role == "decode" for w in workers)}
+    deadline = asyncio.get_running_loop().time() + timeout
+    while any(len(fleet.live(role)) < count for role, count in expected.items()):
+        for worker in workers:
+            if worker.process.poll() is not None:
+                raise WorkerStartError(f"a {worker.role} worker exited; see {worker.log_path}")
+        if asyncio.get_running_loop().time() > deadline:
+            raise WorkerStartError(f"workers did not register within {timeout:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
+    model = resolve_model(orchestrator.model, progress=True)
+    orchestrator = replace(orchestrator, model=model, registry_port=free_port())
+    app = create_app(orchestrator)
+    server = uvicorn.Server(uvicorn.Config(app, host=orchestrator.host, port=orchestrator.port, loop="uvloop",
+                                           log_level=orchestrator.log_level, timeout_graceful_shutdown=5))
+    api = asyncio.create_task(server.serve())
+    workers: list[LaunchedWorker] = []
+    try:
+        while not server.started and not api.done():
+            await asyncio.sleep(0.1)
+        if api.done():
+            return
+        workers = launch_pool(pool, orchestrator, model)
+        await _race(api, wait_registered(app, workers, pool.worker_start_timeout))
+        print(f"kvroute is serving at http://{orchestrator.host}:{orchestrator.port}/v1 "
+              f"(model '{app.state.model_name}'); Ctrl-C stops it", flush=True)
+        await api
+    finally:
+        server.should_exit = True
+        await asyncio.gather(api, return_exceptions=True)
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
+        logger.info("stopped %d workers", len(workers))
+
+
+async def _race(api: asyncio.Task, waiting) -> None:
+    """Wait for ``waiting`` unless the API server stops first (e.g. Ctrl-C during start-up)."""
+    waiter = asyncio.ensure_future(waiting)
+    done, _ = await asyncio.wait([api, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if waiter not in done:
+        waiter.cancel()
+        return
+    waiter.result()
+
+
+def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:
+    logging.basicConfig(level=orchestrator.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(orchestrator, pool))
+    except WorkerStartError as error:
+        logger.error("%s", error)
+        return 1
+    return 0

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP API: routes, request → Job, and response shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvroute import wire
+from orchestrator.errors import APIError, error_body
+from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from orchestrator.service import CompletionService, Delta, Job, Outcome
+from orchestrator.tokenization import PromptError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ApiContext:
+    service: CompletionService
+    model_name: str
+    max_model_len: int
+
+
+def build_router(context: ApiContext) -> APIRouter:
+    router = APIRouter()
+    service, codec = context.service, context.service.codec
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": context.model_name, "object": "model",
+                                            "created": 0, "owned_by": "kvroute"}]}
+
+    @router.get("/health")
+    async def health():
+        fleet = service.fleet
+        body = {"prefill_workers": len(fleet.live("prefill")), "decode_workers": len(fleet.live("decode"))}
+        return JSONResponse({"status": "ok" if fleet.can_serve() else "unavailable", **body},
+                            status_code=200 if fleet.can_serve() else 503)
+
+    @router.get("/admin/workers")
+    async def workers():
+        """Live workers as the orchestrator sees them (operators, tests, dashboards)."""
+        fleet = service.fleet
+        return {"workers": [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
+                             "rpc_address": w.rpc_address, "in_flight": fleet.in_flight(w.worker_id),
+                             "load": msgspec.to_builtins(w.load)}
+                            for role in ("prefill", "decode") for w in fleet.live(role)]}
+
+    @router.get("/metrics")
+    async def metrics():
+        for role in ("prefill", "decode"):
+            service.metrics.workers.labels(role).set(len(service.fleet.live(role)))
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        _check_request(body, context)
+        try:
+            prompt = codec.encode_chat([m.as_template_message() for m in body.messages])
+        except PromptError as error:
+            raise APIError(400, str(error), param="messages") from error
+        return await _respond(service, body, [_job(body, prompt, context)], ChatShape(context.model_name))
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        _check_request(body, context)
+        jobs = [_job(body, _encode_prompt(codec, prompt), context) for prompt in body.prompts()]
+        return await _respond(service, body, jobs, TextShape(context.model_name))
+
+    return router
+
+
+def _check_request(body: _Sampling, context: ApiContext) -> None:
+    if body.model != context.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
+                            f"'{context.model_name}'", param="model", code="model_not_found")
+    if (name := body.unsupported_parameter()) is not None:
+        raise APIError(400, f"'{name}' is not supported by kvroute", param=name, code="unsupported_parameter")
+
+
+def _encode_prompt(codec, prompt: str | list[int]) -> list[int]:
+    try:
+        if isinstance(prompt, str):
+            return codec.encode_text(prompt)
+        codec.check_token_ids(prompt)
+        return prompt
+    except PromptError as error:
+        raise APIError(400, str(error), param="prompt") from error
+
+
+def _job(body: _Sampling, prompt: list[int], context: ApiContext) -> Job:
+    room = context.max_model_len - len(prompt)
+    if room < 1:
+        raise APIError(400, f"the prompt is {len(prompt)} tokens; this model's context is "
+                            f"{context.max_model_len} tokens", param="messages", code="context_length_exceeded")
+    default = DEFAULT_COMPLETION_MAX_TOKENS if isinstance(body, CompletionRequest) else room
+    max_tokens = body.requested_max_tokens() or default
+    if max_tokens > room:
+        raise APIError(400, f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                            f"context of {context.max_model_len} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    if body.min_tokens > max_tokens:
+        raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    sampling = wire.SamplingSpec(
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos)
+    return Job(prompt_token_ids=prompt, sampling=sampling, stop=body.stop_strings())
+
+
+# ---------------------------------------------------------------- response shapes
+
+
+class ChatShape:
+    object_name, chunk_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, delta: Delta, first: bool) -> dict:
+        content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        return {"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+
+
+class TextShape(ChatShape):
+    object_name, chunk_name, id_prefix = "text_completion", "text_completion", "cmpl-"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, delta: Delta, first: bool) -> dict:
+        return {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+
+
+def usage(jobs: list[Job], outcomes: list[Outcome]) -> dict:
+    prompt = sum(len(job.prompt_token_ids) for job in jobs)
+    completion = sum(outcome.completion_tokens for outcome in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes)}}
+
+
+async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job], shape: ChatShape):
+    envelope = {"id": shape.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": shape.model}
+    outcomes = [Outcome() for _ in jobs]
+    for job in jobs:
+        job.cache_salt = None  # namespaces arrive with tenant isolation
+    if body.stream:
+        if not service.fleet.can_serve():
+            service.place()  # raises the 503 now, while a status code can still say so
+        return StreamingResponse(_sse(service, jobs, outcomes, shape, envelope, body.include_usage()),
+                                 media_type="text/event-stream")
+    texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))
+    choices = [shape.choice(i, text, o.finish_reason) for i, (text, o) in enumerate(zip(texts, outcomes))]
+    return {**envelope, "object": shape.object_name, "choices": choices, "usage": usage(jobs, outcomes)}
+
+
+async def _collect(service: CompletionService, job: Job, outcome: Outcome) -> str:
+    return "".join([delta.text async for delta in service.stream(job, outcome)])
+
+
+async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) -> AsyncIterator[str]:
+    base = {**envelope, "object": shape.chunk_name}
+    extra = {"usage": None} if include_usage else {}
+    try:
+        async for index, delta, first in _merged(service, jobs, outcomes):
+            yield _event({**base, "choices": [shape.chunk_choice(index, delta, first)], **extra})
+        if include_usage:
+            yield _event({**base, "choices": [], "usage": usage(jobs, outcomes)})
+    except APIError as error:
+        yield _event(error_body(error.status, error.message, error.param, error.code))
+    yield "data: [DONE]\n\n"
+
+
+async def _merged(service, jobs, outcomes) -> AsyncIterator[tuple[int, Delta, bool]]:
+    """Interleave the deltas of several jobs (one per prompt) as they arrive."""
+    if len(jobs) == 1:
+        first = True
+        async for delta in service.stream(jobs[0], outcomes[0]):
+            yield 0, delta, first
+            first = False
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            first = True
+            async for delta in service.stream(jobs[index], outcomes[index]):
+                await queue.put((index, delta, first))
+                first = False
+        except APIError as error:
+            await queue.put(error)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(jobs))]
+    try:
+        for _ in range(len(jobs)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, APIError):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

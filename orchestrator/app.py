@@ -1,0 +1,80 @@
+"""Assembling the orchestrator: model, tokenizer, fleet, policy, service, HTTP app."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+
+from kvroute.model_prep import model_fingerprint, resolve_model
+from orchestrator.api import ApiContext, build_router
+from orchestrator.errors import APIError, error_response, install_handlers
+from orchestrator.fleet import Fleet
+from orchestrator.metrics import Metrics
+from orchestrator.placement import make_policy
+from orchestrator.registry import WorkerRegistry
+from orchestrator.service import CompletionService
+from orchestrator.settings import OrchestratorSettings
+from orchestrator.tokenization import TextCodec
+
+logger = logging.getLogger("kvroute.orchestrator")
+
+
+def create_app(settings: OrchestratorSettings) -> FastAPI:
+    model_path = resolve_model(settings.model)
+    fingerprint = model_fingerprint(model_path)
+    orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
+    fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
+                  f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id)
+    service = CompletionService(fleet, TextCodec(model_path), make_policy(settings.policy), Metrics(),
+                                settings.worker_timeout_seconds)
+    model_name = settings.served_model_name or Path(model_path).name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await fleet.start()
+        logger.info("%s serving '%s' (fingerprint %s, policy %s)", orchestrator_id, model_name,
+                    fingerprint, settings.policy)
+        try:
+            yield
+        finally:
+            await fleet.stop()
+
+    app = FastAPI(title="kvroute", lifespan=lifespan)
+    app.state.fleet = fleet
+    app.state.model_name = model_name
+    install_handlers(app)
+    _limit_body_size(app, settings.max_request_bytes)
+    _count_requests(app, service.metrics)
+    app.include_router(build_router(ApiContext(service, model_name, settings.max_model_len)))
+    return app
+
+
+def _limit_body_size(app: FastAPI, limit: int) -> None:
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return error_response(APIError(413, f"request body over {limit} bytes", code="request_too_large"))
+        return await call_next(request)
+
+
+def _count_requests(app: FastAPI, metrics: Metrics) -> None:
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        # The matched route, not the raw path: unknown paths must not mint new series.
+        endpoint = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+
+def run_orchestrator(settings: OrchestratorSettings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
+                log_level=settings.log_level, timeout_graceful_shutdown=10)

@@ -1,0 +1,111 @@
+"""The asyncio shell around the registry: the registration endpoint and worker clients.
+
+Workers push heartbeats to a ROUTER socket; each is handed to ``WorkerRegistry`` and
+answered with a ``RegisterReply``. A ``WorkerClient`` exists for every live worker
+incarnation and is closed when the worker is marked down or restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+
+from kvroute import wire
+from kvroute.netutil import async_context
+from orchestrator.registry import Verdict, WorkerRegistry, WorkerView
+from orchestrator.worker_client import WorkerClient
+
+logger = logging.getLogger("kvroute.orchestrator.fleet")
+
+
+class Fleet:
+    """Owns the registry, the clients and the in-flight request counts per worker."""
+
+    def __init__(self, registry: WorkerRegistry, bind_address: str, orchestrator_id: str):
+        self.registry = registry
+        self.orchestrator_id = orchestrator_id
+        self._bind_address = bind_address
+        self._clients: dict[str, WorkerClient] = {}
+        self._in_flight: dict[str, int] = {}
+        self._refused: dict[str, str] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._socket = None
+
+    async def start(self) -> None:
+        self._socket = async_context().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self._bind_address)
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._expire_loop())]
+        logger.info("workers register at %s", self._bind_address)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+
+    # ------------------------------------------------------------ queries
+
+    def live(self, role: str) -> list[WorkerView]:
+        return [w for w in self.registry.live(role) if w.worker_id in self._clients]
+
+    def client(self, worker_id: str) -> WorkerClient | None:
+        return self._clients.get(worker_id)
+
+    def in_flight(self, worker_id: str) -> int:
+        return self._in_flight.get(worker_id, 0)
+
+    def can_serve(self) -> bool:
+        return bool(self.live("prefill")) and bool(self.live("decode"))
+
+    def track(self, worker_id: str, delta: int) -> None:
+        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + delta
+
+    # ------------------------------------------------------------ the shell
+
+    async def _receive_loop(self) -> None:
+        while True:
+            identity, *frames = await self._socket.recv_multipart()
+            try:
+                beat = wire.decode(frames[-1]) if frames else None
+            except wire.WireError as error:
+                logger.warning("malformed registration frame: %s", error)
+                continue
+            if not isinstance(beat, wire.Heartbeat):
+                continue
+            verdict = self.registry.observe(beat, time.monotonic())
+            await self._apply(beat, verdict)
+            reply = wire.RegisterReply(accepted=verdict.accepted, reason=verdict.reason,
+                                       orchestrator_id=self.orchestrator_id)
+            await self._socket.send_multipart([identity, wire.encode(reply)])
+
+    async def _apply(self, beat: wire.Heartbeat, verdict: Verdict) -> None:
+        if not verdict.accepted:
+            if self._refused.get(beat.worker_id) != verdict.reason:
+                logger.error("refusing worker %s at %s: %s", beat.worker_id, beat.rpc_address, verdict.reason)
+                self._refused[beat.worker_id] = verdict.reason
+            return
+        self._refused.pop(beat.worker_id, None)
+        if verdict.replaced is not None:
+            await self._drop(verdict.replaced.worker_id)
+        if verdict.is_new:
+            self._clients[beat.worker_id] = WorkerClient(beat.rpc_address)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.registry.heartbeat_timeout / 2))
+            for worker in self.registry.expire(time.monotonic()):
+                await self._drop(worker.worker_id)
+
+    async def _drop(self, worker_id: str) -> None:
+        client = self._clients.pop(worker_id, None)
+        self._in_flight.pop(worker_id, None)
+        if client is not None:
+            await client.close()

@@ -1,0 +1,35 @@
+"""Orchestrator settings (see kvroute.config for how flags, env and files map onto them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.config import setting
+
+POLICIES = ("least_loaded", "round_robin")  # see orchestrator.placement
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    host: str = setting("127.0.0.1", "HTTP interface to bind")
+    port: int = setting(8000, "HTTP port of the OpenAI-compatible API")
+    registry_host: str = setting("127.0.0.1", "interface where workers register and heartbeat")
+    registry_port: int = setting(7001, "port where workers register and heartbeat")
+    model: str | None = setting(None, "model folder or hub id; default: SmolLM2-135M-Instruct, prepared on demand")
+    served_model_name: str = setting("", "model name clients use; default: the model folder's name")
+    max_model_len: int = setting(8192, "longest prompt + completion in tokens; must match the workers")
+    policy: str = setting("least_loaded", f"placement policy, one of {', '.join(POLICIES)}")
+    heartbeat_timeout_seconds: float = setting(5.0, "a worker silent for this long is marked down")
+    worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker")
+    max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
+    log_level: str = setting("info", "log level: debug, info, warning, error")
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+
+    @property
+    def registry_address(self) -> str:
+        return f"tcp://{self.registry_host}:{self.registry_port}"

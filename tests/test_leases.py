@@ -1,0 +1,175 @@
+"""LeaseTable: every lease ends exactly once, by release or expiry, and reports its
+request id exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from transfer.leases import Lease, LeaseTable
+
+
+def lease(handle: str, request_id: str | None = None, expires_at: float = 100.0, blocks=(1, 2, 3)) -> Lease:
+    return Lease(handle=handle, request_id=request_id or f"req-{handle}", block_ids=tuple(blocks),
+                 num_tokens=len(blocks) * 16, expires_at=expires_at)
+
+
+def assert_nothing_left_behind(table: LeaseTable) -> None:
+    assert len(table) == 0
+    assert table.take_ended_request_ids() == set()
+
+
+def test_grant_then_get():
+    table = LeaseTable()
+    granted = lease("h1", blocks=(7, 3, 9))
+    table.grant(granted)
+    assert len(table) == 1
+    assert table.get("h1") is granted
+    assert table.get("h1").block_ids == (7, 3, 9)
+    assert table.get("other") is None
+    assert table.num_granted == 1
+    # Nothing ended yet.
+    assert table.take_ended_request_ids() == set()
+    assert table.release("h1")
+    assert table.take_ended_request_ids() == {"req-h1"}
+    assert_nothing_left_behind(table)
+
+
+def test_release_once():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"))
+    assert table.release("h1") is True
+    assert table.release("h1") is False
+    assert table.get("h1") is None
+    assert table.num_released == 1
+    assert table.take_ended_request_ids() == {"req-a"}
+    assert table.take_ended_request_ids() == set()
+    assert_nothing_left_behind(table)
+
+
+def test_release_unknown_handle():
+    table = LeaseTable()
+    table.grant(lease("h1"))
+    assert table.release("nope") is False
+    assert table.num_released == 0
+    assert len(table) == 1
+    assert table.take_ended_request_ids() == set()
+    table.release("h1")
+    table.take_ended_request_ids()
+    assert_nothing_left_behind(table)
+
+
+def test_expire_by_time():
+    table = LeaseTable()
+    table.grant(lease("early", "req-early", expires_at=10.0))
+    table.grant(lease("exact", "req-exact", expires_at=20.0))
+    table.grant(lease("late", "req-late", expires_at=30.0))
+
+    assert table.expire(now=5.0) == []
+    assert len(table) == 3
+
+    expired = table.expire(now=20.0)  # the deadline itself counts as passed
+    assert sorted(lease.handle for lease in expired) == ["early", "exact"]
+    assert table.num_expired == 2
+    assert table.get("early") is None and table.get("exact") is None
+    assert table.get("late") is not None
+    assert table.take_ended_request_ids() == {"req-early", "req-exact"}
+
+    # An expired lease can no longer be released, and expiring again finds nothing.
+    assert table.release("early") is False
+    assert table.expire(now=20.0) == []
+    assert table.num_expired == 2
+
+    assert [lease.handle for lease in table.expire(now=1e9)] == ["late"]
+    assert table.take_ended_request_ids() == {"req-late"}
+    assert table.num_expired == 3
+    assert table.num_released == 0
+    assert_nothing_left_behind(table)
+
+
+def test_release_then_expire_reports_the_request_once():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a", expires_at=1.0))
+    assert table.release("h1")
+    assert table.expire(now=2.0) == []
+    assert table.take_ended_request_ids() == {"req-a"}
+    assert table.num_released == 1 and table.num_expired == 0
+    assert_nothing_left_behind(table)
+
+
+def test_take_ended_request_ids_returns_each_id_once():
+    table = LeaseTable()
+    for i in range(5):
+        table.grant(lease(f"h{i}", f"req-{i}", expires_at=float(i)))
+    table.release("h0")
+    table.release("h1")
+    first = table.take_ended_request_ids()
+    assert first == {"req-0", "req-1"}
+    table.expire(now=3.0)  # h2, h3
+    second = table.take_ended_request_ids()
+    assert second == {"req-2", "req-3"}
+    assert first.isdisjoint(second)
+    table.release("h4")
+    assert table.take_ended_request_ids() == {"req-4"}
+    assert table.take_ended_request_ids() == set()
+    assert (table.num_granted, table.num_released, table.num_expired) == (5, 3, 2)
+    assert_nothing_left_behind(table)
+
+
+def test_taken_set_is_not_aliased_to_the_table():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"))
+    table.release("h1")
+    taken = table.take_ended_request_ids()
+    table.grant(lease("h2", "req-b"))
+    table.release("h2")
+    assert taken == {"req-a"}  # later ends do not leak into an already returned set
+    assert table.take_ended_request_ids() == {"req-b"}
+    assert_nothing_left_behind(table)
+
+
+def test_counters_track_the_lifecycle():
+    table = LeaseTable()
+    assert (table.num_granted, table.num_released, table.num_expired, len(table)) == (0, 0, 0, 0)
+    table.grant(lease("a", expires_at=1.0))
+    table.grant(lease("b", expires_at=1.0))
+    table.grant(lease("c", expires_at=99.0))
+    assert (table.num_granted, len(table)) == (3, 3)
+    table.release("c")
+    table.expire(now=1.0)
+    assert (table.num_granted, table.num_released, table.num_expired, len(table)) == (3, 1, 2, 0)
+    assert table.take_ended_request_ids() == {"req-a", "req-b", "req-c"}
+    assert_nothing_left_behind(table)
+
+
+@pytest.mark.timeout(30)
+def test_concurrent_release_and_expire_end_each_lease_exactly_once():
+    """The block server thread releases while the engine thread expires."""
+    table = LeaseTable()
+    handles = [f"h{i}" for i in range(2000)]
+    for handle in handles:
+        table.grant(lease(handle, expires_at=0.0))
+    released: list[bool] = []
+    expired: list[Lease] = []
+    start = threading.Barrier(2)
+
+    def releaser():
+        start.wait()
+        released.extend(table.release(handle) for handle in handles)
+
+    def expirer():
+        start.wait()
+        for _ in range(50):
+            expired.extend(table.expire(now=1.0))
+
+    threads = [threading.Thread(target=releaser), threading.Thread(target=expirer)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sum(released) + len(expired) == len(handles)
+    assert table.num_released + table.num_expired == len(handles)
+    assert table.take_ended_request_ids() == {f"req-{h}" for h in handles}
+    assert_nothing_left_behind(table)

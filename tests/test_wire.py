@@ -1,0 +1,320 @@
+"""Wire format: golden payloads pin the msgpack encoding; decoding is strict but
+forward compatible (unknown fields are ignored, unknown tags are refused)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvroute import wire
+
+# ---------------------------------------------------------------- golden payloads
+#
+# Each expected payload is written out field by field. A renamed, reordered or
+# removed field, or a changed tag, changes these bytes. Append-only changes (a new
+# field with a default at the end) also change them, on purpose: update the golden
+# bytes deliberately when the protocol grows.
+
+PULL_SOURCE = wire.PullSource(handle="ab" * 16, address="tcp://10.0.0.1:5000", num_tokens=3,
+                              block_size=16, prompt_digest="d")
+
+GENERATE_REQUEST = wire.GenerateRequest(
+    request_id="r1",
+    prompt_token_ids=[1, 2, 300],
+    sampling=wire.SamplingSpec(max_tokens=8, temperature=0.5, seed=7, stop_token_ids=[2]),
+    cache_salt="s",
+    hold_blocks=False,
+    pull_from=PULL_SOURCE,
+)
+GENERATE_REQUEST_HEX = (
+    "87"  # map of 7: tag + 6 fields
+    "a474797065" "a867656e6572617465"  # type: "generate"
+    "aa726571756573745f6964" "a27231"  # request_id: "r1"
+    "b070726f6d70745f746f6b656e5f696473" "930102cd012c"  # prompt_token_ids: [1, 2, 300]
+    "a873616d706c696e67" "88"  # sampling: map of 8
+    "aa6d61785f746f6b656e73" "08"  # max_tokens: 8
+    "ab74656d7065726174757265" "cb3fe0000000000000"  # temperature: 0.5
+    "a5746f705f70" "cb3ff0000000000000"  # top_p: 1.0
+    "a473656564" "07"  # seed: 7
+    "aa6d696e5f746f6b656e73" "00"  # min_tokens: 0
+    "aa69676e6f72655f656f73" "c2"  # ignore_eos: false
+    "ae73746f705f746f6b656e5f696473" "9102"  # stop_token_ids: [2]
+    "a86c6f6770726f6273" "c0"  # logprobs: nil
+    "aa63616368655f73616c74" "a173"  # cache_salt: "s"
+    "ab686f6c645f626c6f636b73" "c2"  # hold_blocks: false
+    "a970756c6c5f66726f6d" "85"  # pull_from: map of 5
+    "a668616e646c65" "d920" + "6162" * 16 +  # handle: "abab…" (32 chars)
+    "a761646472657373" "b37463703a2f2f31302e302e302e313a35303030"  # address
+    "aa6e756d5f746f6b656e73" "03"  # num_tokens: 3
+    "aa626c6f636b5f73697a65" "10"  # block_size: 16
+    "ad70726f6d70745f646967657374" "a164"  # prompt_digest: "d"
+)
+
+GENERATE_CHUNK = wire.GenerateChunk(request_id="r1", token_ids=[5, 6], finished=True, finish_reason="length",
+                                    num_prompt_tokens=3, num_cached_tokens=2)
+GENERATE_CHUNK_HEX = (
+    "89"
+    "a474797065" "a56368756e6b"  # type: "chunk"
+    "aa726571756573745f6964" "a27231"  # request_id: "r1"
+    "a9746f6b656e5f696473" "920506"  # token_ids: [5, 6]
+    "a866696e6973686564" "c3"  # finished: true
+    "ad66696e6973685f726561736f6e" "a66c656e677468"  # finish_reason: "length"
+    "b16e756d5f70726f6d70745f746f6b656e73" "03"  # num_prompt_tokens: 3
+    "b16e756d5f6361636865645f746f6b656e73" "02"  # num_cached_tokens: 2
+    "ab70756c6c5f736f75726365" "c0"  # pull_source: nil
+    "a86c6f6770726f6273" "c0"  # logprobs: nil
+)
+
+HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
+                           load=wire.WorkerLoad(num_running=1, block_size=16), sent_at=1.5)
+HEARTBEAT_HEX = (
+    "89"
+    "a474797065" "a9686561727462656174"  # type: "heartbeat"
+    "a9776f726b65725f6964" "a27730"  # worker_id: "w0"
+    "a4726f6c65" "a770726566696c6c"  # role: "prefill"
+    "ab696e6361726e6174696f6e" "a26931"  # incarnation: "i1"
+    "ab7270635f61646472657373" "b47463703a2f2f3132372e302e302e313a37303030"  # rpc_address
+    "a46c6f6164" "87"  # load: map of 7
+    "ab6e756d5f72756e6e696e67" "01"  # num_running: 1
+    "ab6e756d5f77616974696e67" "00"  # num_waiting: 0
+    "b96e756d5f7175657565645f70726566696c6c5f746f6b656e73" "00"  # num_queued_prefill_tokens
+    "af6e756d5f667265655f626c6f636b73" "00"  # num_free_blocks
+    "b06e756d5f746f74616c5f626c6f636b73" "00"  # num_total_blocks
+    "aa626c6f636b5f73697a65" "10"  # block_size: 16
+    "af62797465735f7065725f626c6f636b" "00"  # bytes_per_block
+    "a773656e745f6174" "cb3ff8000000000000"  # sent_at: 1.5
+    "b16b765f6576656e74735f61646472657373" "a0"  # kv_events_address: ""
+    "b16d6f64656c5f66696e6765727072696e74" "a0"  # model_fingerprint: ""
+)
+
+PULL_BLOCKS = wire.PullBlocks(
+    handle="ff" * 16, block_indices=[0, 2],
+    layout=wire.KVLayoutSpec(dtype="bfloat16", num_layers=2, block_dim=1, block_shape=[2, 4, 16, 8],
+                             block_size=16, bytes_per_block=4096))
+PULL_BLOCKS_HEX = (
+    "84"
+    "a474797065" "a470756c6c"  # type: "pull"
+    "a668616e646c65" "d920" + "66" * 32 +  # handle: "ff…" (32 chars)
+    "ad626c6f636b5f696e6469636573" "920002"  # block_indices: [0, 2]
+    "a66c61796f7574" "86"  # layout: map of 6
+    "a56474797065" "a862666c6f61743136"  # dtype: "bfloat16"
+    "aa6e756d5f6c6179657273" "02"  # num_layers: 2
+    "a9626c6f636b5f64696d" "01"  # block_dim: 1
+    "ab626c6f636b5f7368617065" "9402041008"  # block_shape: [2, 4, 16, 8]
+    "aa626c6f636b5f73697a65" "10"  # block_size: 16
+    "af62797465735f7065725f626c6f636b" "cd1000"  # bytes_per_block: 4096
+)
+
+ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")
+ERROR_REPLY_HEX = (
+    "84"
+    "a474797065" "a56572726f72"  # type: "error"
+    "aa726571756573745f6964" "c0"  # request_id: nil
+    "a4636f6465" "ab6261645f72657175657374"  # code: "bad_request"
+    "a76d657373616765" "a46e6f7065"  # message: "nope"
+)
+
+GOLDEN = [
+    pytest.param(GENERATE_REQUEST, GENERATE_REQUEST_HEX, id="GenerateRequest"),
+    pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
+    pytest.param(HEARTBEAT, HEARTBEAT_HEX, id="Heartbeat"),
+    pytest.param(PULL_BLOCKS, PULL_BLOCKS_HEX, id="PullBlocks"),
+    pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
+]
+
+
+@pytest.mark.parametrize("message, golden_hex", GOLDEN)
+def test_encoding_matches_golden_bytes(message, golden_hex):
+    assert wire.encode(message).hex() == golden_hex
+
+
+@pytest.mark.parametrize("message, golden_hex", GOLDEN)
+def test_golden_bytes_decode_to_the_message(message, golden_hex):
+    decoded = wire.decode(bytes.fromhex(golden_hex))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+@pytest.mark.parametrize("message, golden_hex", GOLDEN)
+def test_decode_accepts_memoryview(message, golden_hex):
+    assert wire.decode(memoryview(bytes.fromhex(golden_hex))) == message
+
+
+ROUND_TRIP = [
+    wire.GenerateRequest(request_id="x", prompt_token_ids=[0]),
+    wire.GenerateRequest(request_id="x", prompt_token_ids=[9, 8], hold_blocks=True, cache_salt=None),
+    wire.AbortRequest(request_id="x"),
+    wire.StatsRequest(),
+    wire.GenerateChunk(request_id="x", token_ids=[], pull_source=PULL_SOURCE,
+                       logprobs=[wire.TokenLogprobs(token_ids=[3, 4], logprobs=[-0.25, -1.5])]),
+    wire.ErrorReply(request_id="x", code="engine_error", message="boom"),
+    wire.WorkerStats(worker_id="w", role="decode", incarnation="i", load=wire.WorkerLoad(num_free_blocks=7),
+                     transfer=wire.TransferCounters(bytes_sent=1 << 40, pulls_failed=2),
+                     prompt_tokens=wire.PromptTokenCounters(computed=5, external_kv_transfer=11)),
+    HEARTBEAT,
+    PULL_BLOCKS,
+    wire.PullHeader(ok=False, error="no"),
+    wire.PullHeader(ok=True, num_blocks=3, num_layers=28),
+    wire.ReleaseLease(handle="h", reason="local_hit"),
+    wire.ReleaseReply(released=True),
+    wire.TransferStatsRequest(),
+    wire.TransferStatsReply(counters=wire.TransferCounters(leases_granted=4), layout=PULL_BLOCKS.layout),
+]
+
+
+@pytest.mark.parametrize("message", ROUND_TRIP, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    decoded = wire.decode(wire.encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_every_message_type_has_a_distinct_tag():
+    tags = [kind.__struct_config__.tag for kind in wire.Message.__args__]
+    assert len(tags) == len(set(tags))
+
+
+# ---------------------------------------------------------------- strict decoding
+
+
+def _packed(data) -> bytes:
+    return msgspec.msgpack.encode(data)
+
+
+MALFORMED = [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\xc1", id="reserved-byte"),
+    pytest.param(b"\x00\xff garbage \x13\x37", id="garbage"),
+    pytest.param(bytes.fromhex(ERROR_REPLY_HEX)[:-3], id="truncated"),
+    pytest.param(bytes.fromhex(ERROR_REPLY_HEX) + b"\x00", id="trailing-bytes"),
+    pytest.param(_packed([1, 2, 3]), id="array-not-map"),
+    pytest.param(_packed("generate"), id="bare-string"),
+    pytest.param(_packed({"request_id": "r"}), id="no-tag"),
+    pytest.param(_packed({"type": "bogus", "request_id": "r"}), id="unknown-tag"),
+    pytest.param(_packed({"type": 7}), id="tag-not-a-string"),
+    pytest.param(_packed({"type": "abort", "request_id": 5}), id="wrong-type-request-id"),
+    pytest.param(_packed({"type": "abort"}), id="missing-required-field"),
+    pytest.param(_packed({"type": "generate", "request_id": "r", "prompt_token_ids": "1 2 3"}),
+                 id="wrong-type-prompt"),
+    pytest.param(_packed({"type": "generate", "request_id": "r", "prompt_token_ids": [1, 2.5]}),
+                 id="float-token"),
+    pytest.param(_packed({"type": "generate", "request_id": "r", "prompt_token_ids": [1],
+                          "sampling": {"max_tokens": "8"}}), id="wrong-type-nested"),
+    pytest.param(_packed({"type": "pull", "handle": "h", "block_indices": [0], "layout": None}),
+                 id="nil-required-struct"),
+    pytest.param(_packed({"type": "release_reply", "released": 1}), id="int-not-bool"),
+    # msgspec raises UnicodeDecodeError / RecursionError for these, not DecodeError.
+    pytest.param(b"\x81\xa4type\xaetransfer_stat\xff", id="invalid-utf8-tag"),
+    pytest.param(b"\x82\xa4type\xa5abort\xaarequest_id\xa2\xc3\x28", id="invalid-utf8-field"),
+    pytest.param(b"\x82\xa4type\xa5stats\xa1x" + b"\x91" * 2000 + b"\x00", id="deep-unknown-field"),
+    pytest.param(b"\x91" * 100_000 + b"\x00", id="deep-array"),
+]
+
+
+@pytest.mark.parametrize("frame", MALFORMED)
+def test_malformed_frames_raise_wire_error(frame):
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
+
+
+def test_wire_error_is_a_value_error():
+    # Callers that catch ValueError (e.g. error_code) classify it as a bad request.
+    assert issubclass(wire.WireError, ValueError)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    payload = {
+        "type": "generate",
+        "request_id": "r7",
+        "prompt_token_ids": [4, 5],
+        "sampling": {"max_tokens": 3, "from_the_future": {"nested": [1, 2]}},
+        "pull_from": {"handle": "h" * 32, "address": "tcp://a:1", "num_tokens": 2, "block_size": 16,
+                      "prompt_digest": "pd", "new_pull_field": 1.25},
+        "a_field_added_later": ["x", 1, None],
+        "another": {"k": b"\x00\x01"},
+    }
+    decoded = wire.decode(_packed(payload))
+    assert decoded == wire.GenerateRequest(
+        request_id="r7", prompt_token_ids=[4, 5], sampling=wire.SamplingSpec(max_tokens=3),
+        pull_from=wire.PullSource(handle="h" * 32, address="tcp://a:1", num_tokens=2, block_size=16,
+                                  prompt_digest="pd"))
+
+
+def test_unknown_fields_inside_a_layout_are_ignored():
+    payload = msgspec.to_builtins(PULL_BLOCKS)
+    payload["layout"]["page_alignment"] = 4096
+    payload["priority"] = 3
+    assert wire.decode(_packed(payload)) == PULL_BLOCKS
+
+
+def test_missing_optional_fields_take_their_defaults():
+    decoded = wire.decode(_packed({"type": "chunk", "request_id": "r", "token_ids": [1]}))
+    assert decoded == wire.GenerateChunk(request_id="r", token_ids=[1])
+    assert decoded.finished is False and decoded.pull_source is None and decoded.logprobs is None
+
+
+# ---------------------------------------------------------------- peek_request_id
+
+
+PEEK = [
+    pytest.param(_packed({"type": "bogus", "request_id": "r9"}), "r9", id="unknown-tag"),
+    pytest.param(_packed({"type": "generate", "request_id": "r9", "prompt_token_ids": "oops"}), "r9",
+                 id="bad-field"),
+    pytest.param(_packed({"request_id": "r9", "extra": 1}), "r9", id="no-tag"),
+    pytest.param(bytes.fromhex(GENERATE_CHUNK_HEX), "r1", id="well-formed"),
+    pytest.param(_packed({"type": "abort"}), None, id="no-request-id"),
+    pytest.param(_packed({"type": "abort", "request_id": 12}), None, id="request-id-not-a-string"),
+    pytest.param(_packed([1, 2]), None, id="not-a-map"),
+    pytest.param(b"\xc1\xc1", None, id="garbage"),
+    pytest.param(b"", None, id="empty"),
+    pytest.param(b"\x82\xa4type\xa5abort\xaarequest_id\xa2\xc3\x28", None, id="invalid-utf8"),
+    pytest.param(b"\x82\xa4type\xa5stats\xa1x" + b"\x91" * 2000 + b"\x00", None, id="deep-nesting"),
+]
+
+
+@pytest.mark.parametrize("frame, expected", PEEK)
+def test_peek_request_id(frame, expected):
+    assert wire.peek_request_id(frame) == expected
+
+
+def test_peek_request_id_on_a_frame_that_decode_refuses():
+    frame = _packed({"type": "generate", "request_id": "route-me", "prompt_token_ids": None})
+    with pytest.raises(wire.WireError):
+        wire.decode(frame)
+    assert wire.peek_request_id(frame) == "route-me"
+
+
+# ---------------------------------------------------------------- to_dict / from_dict
+
+
+def test_to_dict_is_plain_builtins():
+    data = wire.to_dict(PULL_SOURCE)
+    assert data == {"handle": "ab" * 16, "address": "tcp://10.0.0.1:5000", "num_tokens": 3,
+                    "block_size": 16, "prompt_digest": "d"}
+    assert type(data) is dict
+
+
+@pytest.mark.parametrize("message", [PULL_SOURCE, GENERATE_REQUEST, PULL_BLOCKS, HEARTBEAT],
+                         ids=lambda m: type(m).__name__)
+def test_to_dict_from_dict_round_trip(message):
+    assert wire.from_dict(wire.to_dict(message), type(message)) == message
+
+
+def test_from_dict_ignores_unknown_keys():
+    data = wire.to_dict(PULL_SOURCE) | {"added_later": True}
+    assert wire.from_dict(data, wire.PullSource) == PULL_SOURCE
+
+
+FROM_DICT_ERRORS = [
+    pytest.param({"handle": "h", "address": "a", "num_tokens": "3", "block_size": 16}, id="wrong-type"),
+    pytest.param({"handle": "h", "address": "a", "block_size": 16}, id="missing-field"),
+    pytest.param({"handle": None, "address": "a", "num_tokens": 3, "block_size": 16}, id="none"),
+    pytest.param("tcp://a:1", id="not-a-dict"),
+    pytest.param([1, 2], id="a-list"),
+]
+
+
+@pytest.mark.parametrize("data", FROM_DICT_ERRORS)
+def test_from_dict_errors_raise_wire_error(data):
+    with pytest.raises(wire.WireError, match="PullSource"):
+        wire.from_dict(data, wire.PullSource)
