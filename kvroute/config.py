@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, with_config_flag: 
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=kind if kind in (int, float) else str, default=None, help=help_text)
+            parser.add_argument(flag, type=kind if kind in (int, float) else _split if kind is tuple else str,
+                                default=None, help=help_text)
 
 
 def load(cls: type[T], args: argparse.Namespace | None = None, environ: dict[str, str] | None = None,
@@ -86,7 +87,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error}") from error
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot parse config file {path}: {error}") from error
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of setting names to values")
     return {key.replace("-", "_"): value for key, value in data.items()}
@@ -100,6 +104,11 @@ def _base_type(hint: Any) -> type:
     return typing.get_origin(hint) or hint
 
 
+def _split(raw: str) -> tuple[str, ...]:
+    """A comma-separated list, as environment variables and flags spell tuples."""
+    return tuple(item for item in raw.split(",") if item)
+
+
 def _parse(raw: str, hint: Any, name: str) -> Any:
     kind = _base_type(hint)
     try:
@@ -108,7 +117,7 @@ def _parse(raw: str, hint: Any, name: str) -> Any:
         if kind in (int, float):
             return kind(raw)
         if kind is tuple:
-            return tuple(item for item in raw.split(",") if item)
+            return _split(raw)
         return raw
     except ValueError as error:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {error}") from error

@@ -92,6 +92,12 @@ def tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+def error_lines(path: Path, limit: int = 3) -> str:
+    """The last few distinct error lines of a log: usually the root cause of a failed start."""
+    lines = [line for line in tail(path, 400).splitlines() if "Error:" in line]
+    return "\n".join(dict.fromkeys(lines[-limit * 2:]).keys())
+
+
 def launch_worker(role: str, args: list[str], log_dir: Path | None = None,
                   env: dict[str, str] | None = None) -> LaunchedWorker:
     """Start ``python -m <role>_worker ARGS`` without waiting for it to be ready."""

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from kvroute.config import setting
-from kvroute.launcher import LaunchedWorker, WorkerStartError, launch_worker
+from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker
 from kvroute.model_prep import resolve_model
 from kvroute.netutil import free_port
 from orchestrator.app import create_app
@@ -68,18 +70,35 @@ async def wait_registered(app, workers: list[LaunchedWorker], timeout: float) ->
     while any(len(fleet.live(role)) < count for role, count in expected.items()):
         for worker in workers:
             if worker.process.poll() is not None:
-                raise WorkerStartError(f"a {worker.role} worker exited; see {worker.log_path}")
+                raise WorkerStartError(f"a {worker.role} worker exited; see {worker.log_path}:\n"
+                                       f"{error_lines(worker.log_path)}")
         if asyncio.get_running_loop().time() > deadline:
             raise WorkerStartError(f"workers did not register within {timeout:.0f} s")
         await asyncio.sleep(0.5)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured Ctrl-C after shutting down, which would interrupt the
+    workers' shutdown; ``serve`` handles SIGINT and SIGTERM itself instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _stop_on_signals(server: uvicorn.Server) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
 
 
 async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
     model = resolve_model(orchestrator.model, progress=True)
     orchestrator = replace(orchestrator, model=model, registry_port=free_port())
     app = create_app(orchestrator)
-    server = uvicorn.Server(uvicorn.Config(app, host=orchestrator.host, port=orchestrator.port, loop="uvloop",
+    server = _Server(uvicorn.Config(app, host=orchestrator.host, port=orchestrator.port, loop="uvloop",
                                            log_level=orchestrator.log_level, timeout_graceful_shutdown=5))
+    _stop_on_signals(server)
     api = asyncio.create_task(server.serve())
     workers: list[LaunchedWorker] = []
     try:
@@ -88,7 +107,8 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
         if api.done():
             return
         workers = launch_pool(pool, orchestrator, model)
-        await _race(api, wait_registered(app, workers, pool.worker_start_timeout))
+        if not await _race(api, wait_registered(app, workers, pool.worker_start_timeout)):
+            return  # stopped (Ctrl-C) while the workers were starting
         print(f"kvroute is serving at http://{orchestrator.host}:{orchestrator.port}/v1 "
               f"(model '{app.state.model_name}'); Ctrl-C stops it", flush=True)
         await api
@@ -99,14 +119,15 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
         logger.info("stopped %d workers", len(workers))
 
 
-async def _race(api: asyncio.Task, waiting) -> None:
-    """Wait for ``waiting`` unless the API server stops first (e.g. Ctrl-C during start-up)."""
+async def _race(api: asyncio.Task, waiting) -> bool:
+    """Wait for ``waiting``; False if the API server stopped first (e.g. Ctrl-C during start-up)."""
     waiter = asyncio.ensure_future(waiting)
     done, _ = await asyncio.wait([api, waiter], return_when=asyncio.FIRST_COMPLETED)
     if waiter not in done:
         waiter.cancel()
-        return
+        return False
     waiter.result()
+    return True
 
 
 def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:

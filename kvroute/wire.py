@@ -173,6 +173,31 @@ class Heartbeat(_Message, tag="heartbeat"):
     model_fingerprint: str = ""
 
 
+class SnapshotRequest(_Message, tag="snapshot"):
+    """Ask a worker for its resident prefix-cache blocks (to build or resync an index)."""
+
+    request_id: str = ""
+
+
+class ResidentBlock(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    """One block in an engine's prefix cache, under vLLM's own (engine) hashes."""
+
+    engine_hash: bytes | int
+    parent: bytes | int | None
+    token_ids: list[int]
+    extra_keys: list | None = None
+
+
+class KVSnapshot(_Message, tag="kv_snapshot"):
+    """Resident blocks as of KV-event sequence number ``seq`` (-1: before any event)."""
+
+    request_id: str
+    incarnation: str
+    seq: int
+    block_size: int
+    blocks: list[ResidentBlock]
+
+
 class RegisterReply(_Message, tag="register_reply"):
     """The orchestrator's answer to a heartbeat: is this worker in rotation?"""
 
@@ -226,6 +251,8 @@ Message = Union[
     WorkerStats,
     Heartbeat,
     RegisterReply,
+    SnapshotRequest,
+    KVSnapshot,
     PullBlocks,
     PullHeader,
     ReleaseLease,

@@ -10,17 +10,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute import wire
+from kvroute.identity import Namespace
 from orchestrator.errors import APIError, error_body
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.service import CompletionService, Delta, Job, Outcome
 from orchestrator.tokenization import PromptError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+POLICY_HEADER = "X-KVRoute-Policy"
+DECISIONS_LIMIT = 100
 
 
 @dataclass
@@ -28,6 +31,23 @@ class ApiContext:
     service: CompletionService
     model_name: str
     max_model_len: int
+    model_fingerprint: str
+    allow_policy_override: bool = False
+
+    def namespace(self, tenant: str = "anonymous", scope: str = "default") -> Namespace:
+        return Namespace(model_fingerprint=self.model_fingerprint, tenant=tenant, scope=scope)
+
+    def policy_for(self, request: Request) -> str | None:
+        name = request.headers.get(POLICY_HEADER)
+        if name is None:
+            return None
+        if not self.allow_policy_override:
+            raise APIError(400, f"{POLICY_HEADER} needs the orchestrator's --allow-policy-override",
+                           param=POLICY_HEADER, code="policy_override_disabled")
+        if name not in self.service.policies:
+            raise APIError(400, f"unknown policy {name!r}; choose one of {', '.join(self.service.policies)}",
+                           param=POLICY_HEADER, code="unknown_policy")
+        return name
 
 
 def build_router(context: ApiContext) -> APIRouter:
@@ -61,20 +81,34 @@ def build_router(context: ApiContext) -> APIRouter:
             service.metrics.workers.labels(role).set(len(service.fleet.live(role)))
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @router.get("/v1/decisions")
+    async def recent_decisions(limit: int = Query(20, ge=1, le=DECISIONS_LIMIT)):
+        return {"object": "list", "data": [r.to_dict() for r in service.decisions.recent(limit)]}
+
+    @router.get("/v1/decisions/{response_id}")
+    async def decisions_of(response_id: str):
+        records = service.decisions.by_response(response_id)
+        if not records:
+            raise APIError(404, f"no decision record for '{response_id}' (unknown, or aged out)",
+                           param="response_id", code="decision_not_found")
+        return {"object": "list", "data": [r.to_dict() for r in records]}
+
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_request(body, context)
         try:
             prompt = codec.encode_chat([m.as_template_message() for m in body.messages])
         except PromptError as error:
             raise APIError(400, str(error), param="messages") from error
-        return await _respond(service, body, [_job(body, prompt, context)], ChatShape(context.model_name))
+        shape = ChatShape(context.model_name)
+        return await _respond(service, body, _jobs(body, [prompt], context, request, shape), shape)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_request(body, context)
-        jobs = [_job(body, _encode_prompt(codec, prompt), context) for prompt in body.prompts()]
-        return await _respond(service, body, jobs, TextShape(context.model_name))
+        prompts = [_encode_prompt(codec, prompt) for prompt in body.prompts()]
+        shape = TextShape(context.model_name)
+        return await _respond(service, body, _jobs(body, prompts, context, request, shape), shape)
 
     return router
 
@@ -97,6 +131,17 @@ def _encode_prompt(codec, prompt: str | list[int]) -> list[int]:
         raise APIError(400, str(error), param="prompt") from error
 
 
+def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, request: Request,
+          shape: "ChatShape") -> list[Job]:
+    response_id = shape.id_prefix + uuid.uuid4().hex
+    policy = context.policy_for(request)
+    salt = context.namespace().cache_salt()
+    jobs = [_job(body, prompt, context) for prompt in prompts]
+    for index, job in enumerate(jobs):
+        job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt
+    return jobs
+
+
 def _job(body: _Sampling, prompt: list[int], context: ApiContext) -> Job:
     room = context.max_model_len - len(prompt)
     if room < 1:
@@ -114,7 +159,7 @@ def _job(body: _Sampling, prompt: list[int], context: ApiContext) -> Job:
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos)
-    return Job(prompt_token_ids=prompt, sampling=sampling, stop=body.stop_strings())
+    return Job(prompt_token_ids=prompt, sampling=sampling, cache_salt="", stop=body.stop_strings())
 
 
 # ---------------------------------------------------------------- response shapes
@@ -153,13 +198,12 @@ def usage(jobs: list[Job], outcomes: list[Outcome]) -> dict:
 
 
 async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job], shape: ChatShape):
-    envelope = {"id": shape.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": shape.model}
+    envelope = {"id": jobs[0].response_id, "created": int(time.time()), "model": shape.model}
     outcomes = [Outcome() for _ in jobs]
-    for job in jobs:
-        job.cache_salt = None  # namespaces arrive with tenant isolation
     if body.stream:
         if not service.fleet.can_serve():
-            service.place()  # raises the 503 now, while a status code can still say so
+            raise APIError(503, "cannot serve right now: no live prefill or decode worker", code="no_worker",
+                           headers={"Retry-After": "5"})
         return StreamingResponse(_sse(service, jobs, outcomes, shape, envelope, body.include_usage()),
                                  media_type="text/event-stream")
     texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))

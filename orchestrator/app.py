@@ -12,10 +12,15 @@ from fastapi import FastAPI, Request
 
 from kvroute.model_prep import model_fingerprint, resolve_model
 from orchestrator.api import ApiContext, build_router
+from orchestrator.decisions import DecisionLog
 from orchestrator.errors import APIError, error_response, install_handlers
+from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
+from orchestrator.index import PrefixIndex
+from orchestrator.index_sync import IndexSync
 from orchestrator.metrics import Metrics
-from orchestrator.placement import make_policy
+from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.policies import POLICIES, make_policy
 from orchestrator.registry import WorkerRegistry
 from orchestrator.service import CompletionService
 from orchestrator.settings import OrchestratorSettings
@@ -30,7 +35,12 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
                   f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id)
-    service = CompletionService(fleet, TextCodec(model_path), make_policy(settings.policy), Metrics(),
+    index, metrics, calibration = PrefixIndex(), Metrics(), Calibration()
+    index_sync = IndexSync(index)
+    fleet.listeners.append(index_sync)
+    policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
+    service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
+                                DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds)
     model_name = settings.served_model_name or Path(model_path).name
 
@@ -42,6 +52,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
         try:
             yield
         finally:
+            await index_sync.stop()
             await fleet.stop()
 
     app = FastAPI(title="kvroute", lifespan=lifespan)
@@ -50,7 +61,8 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     install_handlers(app)
     _limit_body_size(app, settings.max_request_bytes)
     _count_requests(app, service.metrics)
-    app.include_router(build_router(ApiContext(service, model_name, settings.max_model_len)))
+    app.include_router(build_router(ApiContext(service, model_name, settings.max_model_len, fingerprint,
+                                               settings.allow_policy_override)))
     return app
 
 

@@ -100,6 +100,20 @@ async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_id
     return first
 
 
+async def generate_local(decode: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
+                         sampling: wire.SamplingSpec, cache_salt: str | None = None,
+                         timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
+    """The LOCAL plan: the decode worker prefills the prompt itself, using its own cache."""
+    record.prompt_tokens = len(prompt_token_ids)
+    request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
+                                   sampling=sampling, cache_salt=cache_salt)
+    async for chunk in decode.generate(request, timeout):
+        if record.first_token_at is None:
+            record.prefill_cached_tokens = chunk.num_cached_tokens
+        _observe(record, chunk)
+        yield chunk
+
+
 def _observe(record: HandoffRecord, chunk: wire.GenerateChunk) -> None:
     now = time.perf_counter()
     for _ in chunk.token_ids:

@@ -68,7 +68,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
-        return error_response(APIError(error.status_code, str(error.detail)))
+        return error_response(APIError(error.status_code, str(error.detail), headers=error.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):

@@ -33,6 +33,8 @@ class Fleet:
         self._refused: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         self._socket = None
+        # Told about every worker incarnation that comes up or goes down (e.g. the index).
+        self.listeners: list = []
 
     async def start(self) -> None:
         self._socket = async_context().socket(zmq.ROUTER)
@@ -96,7 +98,10 @@ class Fleet:
         if verdict.replaced is not None:
             await self._drop(verdict.replaced.worker_id)
         if verdict.is_new:
-            self._clients[beat.worker_id] = WorkerClient(beat.rpc_address)
+            client = self._clients[beat.worker_id] = WorkerClient(beat.rpc_address)
+            view = self.registry.get(beat.worker_id)
+            for listener in self.listeners:
+                listener.worker_up(view, client)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -105,6 +110,8 @@ class Fleet:
                 await self._drop(worker.worker_id)
 
     async def _drop(self, worker_id: str) -> None:
+        for listener in self.listeners:
+            listener.worker_down(worker_id)
         client = self._clients.pop(worker_id, None)
         self._in_flight.pop(worker_id, None)
         if client is not None:

@@ -5,31 +5,73 @@ Latencies are measured here, at the orchestrator, as clients experience them.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
     def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("kvroute_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("kvroute_requests_in_flight", "completions being served", registry=r)
+        self.rejected = Counter("kvroute_requests_rejected", "requests refused with 429: no feasible plan",
+                                registry=r)
         self.ttft = Histogram("kvroute_time_to_first_token_seconds", "request arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["policy", "plan"], buckets=LATENCY_BUCKETS, registry=r)
         self.second_token = Histogram("kvroute_time_to_second_token_seconds",
                                       "first to second token (the prefill→decode hand-off)",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("kvroute_inter_token_latency_seconds", "gap between later tokens",
+                                      ["policy", "plan"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("kvroute_inter_token_latency_seconds", "mean gap between later tokens",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvroute_e2e_request_latency_seconds", "request arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             ["policy"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens received", registry=r)
+        self.prefix_tokens = Histogram("kvroute_prompt_length_tokens", "prompt length", buckets=TOKEN_BUCKETS,
+                                       registry=r)
+        self.estimated_reused = Counter("kvroute_estimated_reused_tokens", "prompt tokens the plan expected to reuse",
+                                        ["worker"], registry=r)
         self.cached_tokens = Counter("kvroute_cached_prompt_tokens",
-                                     "prompt tokens the prefilling engine found in its cache", registry=r)
+                                     "prompt tokens the prefilling engine found in its cache", ["worker"], registry=r)
         self.generation_tokens = Counter("kvroute_generation_tokens", "completion tokens returned", registry=r)
+        self.plans = Counter("kvroute_plans", "placements by policy and plan kind", ["policy", "plan"], registry=r)
+        self.selected = Counter("kvroute_worker_selected", "placements per worker and role", ["worker", "role"],
+                                registry=r)
+        self.index_mispredictions = Counter("kvroute_index_mispredictions",
+                                            "requests that reused fewer tokens than the index predicted",
+                                            ["worker"], registry=r)
+        self.index_blocks = Gauge("kvroute_index_blocks", "blocks indexed per worker", ["worker"], registry=r)
         self.workers = Gauge("kvroute_workers", "live workers by role", ["role"], registry=r)
         self.worker_failures = Counter("kvroute_worker_failures", "requests failed by a worker error",
                                        ["role"], registry=r)
+
+    def observe_request(self, job, plan, handoff, record) -> None:
+        kind = plan.kind.value
+        prefilling = plan.prefill_worker or plan.decode_worker
+        self.plans.labels(record.policy, kind).inc()
+        for role, worker in (("prefill", plan.prefill_worker), ("decode", plan.decode_worker)):
+            if worker:
+                self.selected.labels(worker, role).inc()
+        self.prompt_tokens.inc(len(job.prompt_token_ids))
+        self.prefix_tokens.observe(len(job.prompt_token_ids))
+        self.estimated_reused.labels(prefilling).inc(record.predicted_reused_tokens)
+        self.cached_tokens.labels(prefilling).inc(handoff.prefill_cached_tokens)
+        self.generation_tokens.inc(record.actual.completion_tokens)
+        self._observe_latencies(job, handoff, record.policy, kind)
+
+    def _observe_latencies(self, job, handoff, policy: str, kind: str) -> None:
+        if handoff.first_token_at is None:
+            return
+        self.ttft.labels(policy, kind).observe(handoff.first_token_at - job.arrived_at)
+        done = time.perf_counter()
+        self.e2e.labels(policy).observe(done - job.arrived_at)
+        if handoff.second_token_at is None:
+            return
+        self.second_token.labels(policy, kind).observe(handoff.second_token_at - handoff.first_token_at)
+        later_tokens = len(handoff.token_ids) - 2
+        if later_tokens > 0:
+            self.inter_token.observe((done - handoff.second_token_at) / later_tokens)

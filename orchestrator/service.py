@@ -1,12 +1,14 @@
-"""Serving one completion: place it, drive it through the workers, turn tokens into text.
+"""Serving one completion: plan it, drive it through the workers, turn tokens into text.
 
 ::
 
-    Job ──place──▶ (prefill, decode) ──generate_disaggregated──▶ token chunks
-                                          └─ TextStream: detokenize, stop strings ─▶ Delta…
+    Job ─▶ block hashes (namespace salt) ─▶ index match ─▶ WorkerViews ─▶ policy.decide
+        ─▶ LOCAL: decode worker prefills itself  │ DISAGG: prefill worker → KV pull → decode worker
+        ─▶ TextStream (detokenize, stop strings) ─▶ Delta…
+        ─▶ decision record completed with actuals; feedback to the index and the cost model
 
 The caller iterates ``stream(job)``; leaving early (client gone, stop string hit)
-closes the worker stream, which aborts the request on both workers and frees the lease.
+closes the worker stream, which aborts the request on the workers and frees the lease.
 """
 
 from __future__ import annotations
@@ -17,22 +19,31 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from kvroute import wire
-from orchestrator.disagg import HandoffRecord, generate_disaggregated
+from kvroute import identity, wire
+from orchestrator.decisions import DecisionLog, DecisionRecord
+from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_local
 from orchestrator.errors import APIError
+from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
+from orchestrator.index import PrefixIndex
 from orchestrator.metrics import Metrics
-from orchestrator.placement import Candidate, NoWorkerAvailable, Placement, place
+from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
+
+DEFAULT_BLOCK_SIZE = 128
 
 
 @dataclass
 class Job:
     prompt_token_ids: list[int]
     sampling: wire.SamplingSpec
+    cache_salt: str
     stop: list[str] = field(default_factory=list)
-    cache_salt: str | None = None
+    policy: str | None = None  # None: the orchestrator's configured policy
+    response_id: str = ""
+    choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived_at: float = field(default_factory=time.perf_counter)
 
@@ -50,48 +61,88 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    placement: Placement | None = None
+    record: DecisionRecord | None = None
 
 
 class CompletionService:
-    def __init__(self, fleet: Fleet, codec: TextCodec, policy, metrics: Metrics, worker_timeout: float):
-        self.fleet = fleet
-        self.codec = codec
-        self.policy = policy
-        self.metrics = metrics
+    def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
+                 index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
+                 worker_timeout: float):
+        self.fleet, self.codec, self.metrics = fleet, codec, metrics
+        self.policies, self.default_policy = policies, default_policy
+        self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
         self.worker_timeout = worker_timeout
 
-    def place(self) -> Placement:
-        try:
-            return place(self.policy, self._candidates("prefill"), self._candidates("decode"))
-        except NoWorkerAvailable as error:
-            raise APIError(503, f"cannot serve right now: {error}", code="no_worker",
-                           headers={"Retry-After": "5"}) from error
+    # ------------------------------------------------------------ planning
 
-    def _candidates(self, role: str) -> list[Candidate]:
-        return [Candidate(view, self.fleet.in_flight(view.worker_id)) for view in self.fleet.live(role)]
+    def plan(self, job: Job) -> tuple[Decision, DecisionRecord]:
+        block_size = self._block_size()
+        matches = self.index.match(identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt))
+        prefill, decode = self._views("prefill", matches), self._views("decode", matches)
+        if not prefill or not decode:
+            raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
+                                f"worker", code="no_worker", headers={"Retry-After": "5"})
+        request = RequestView(job.request_id, len(job.prompt_token_ids), job.sampling.max_tokens, block_size)
+        policy = self.policies[job.policy or self.default_policy]
+        decision = policy.decide(request, prefill, decode, self.calibration.calibrated_model())
+        if decision.chosen is None:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"every worker is at capacity: {decision.reason}", code="overloaded",
+                           headers={"Retry-After": "2"})
+        record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
+                                              len(job.prompt_token_ids), block_size)
+        self.decisions.add(record)
+        return decision, record
+
+    def _block_size(self) -> int:
+        sizes = [w.load.block_size for role in ("prefill", "decode") for w in self.fleet.live(role)]
+        return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
+
+    def _views(self, role: str, matches: dict[str, int]) -> list[WorkerView]:
+        return [WorkerView(worker_id=w.worker_id, role=role, num_running=w.load.num_running,
+                           num_waiting=w.load.num_waiting, num_queued_prefill_tokens=w.load.num_queued_prefill_tokens,
+                           num_free_blocks=w.load.num_free_blocks, num_total_blocks=w.load.num_total_blocks,
+                           block_size=w.load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=w.load.bytes_per_block,
+                           in_flight=self.fleet.in_flight(w.worker_id), cached_blocks=matches.get(w.worker_id, 0))
+                for w in self.fleet.live(role)]
+
+    # ------------------------------------------------------------ running
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncIterator[Delta]:
-        placement = outcome.placement = self.place()
-        prefill, decode = self.fleet.client(placement.prefill.worker_id), self.fleet.client(placement.decode.worker_id)
-        if prefill is None or decode is None:
-            raise APIError(503, "the chosen worker just went away; retry", code="no_worker")
-        record = HandoffRecord(request_id=job.request_id)
-        self._track(placement, +1)
+        decision, record = self.plan(job)
+        outcome.record = record
+        plan = decision.chosen
+        handoff = HandoffRecord(request_id=job.request_id)
+        idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
+        self._track(plan, +1)
         try:
-            tokens = generate_disaggregated(prefill, decode, record, job.prompt_token_ids, job.sampling,
-                                            job.cache_salt, self.worker_timeout)
-            async with aclosing(tokens):
+            async with aclosing(self._tokens(plan, job, handoff)) as tokens:
                 async for delta in self._detokenize(tokens, job, outcome):
                     yield delta
         except WorkerError as error:
-            role = "decode" if record.first_token_at else "prefill"
+            role = "decode" if handoff.first_token_at or plan.kind is PlanKind.LOCAL else "prefill"
             self.metrics.worker_failures.labels(role).inc()
+            record.actual.error = str(error)
             raise APIError(503, f"{role} worker failed: {error}", code="worker_error") from error
         finally:
-            self._track(placement, -1)
-            outcome.cached_tokens = record.prefill_cached_tokens
-            self._observe(job, record, outcome)
+            self._track(plan, -1)
+            outcome.cached_tokens = handoff.prefill_cached_tokens
+            self._complete(job, plan, handoff, outcome, record, idle_at_start)
+
+    def _tokens(self, plan: Plan, job: Job, handoff: HandoffRecord) -> AsyncIterator[wire.GenerateChunk]:
+        decode = self._client(plan.decode_worker)
+        if plan.kind is PlanKind.LOCAL:
+            return generate_local(decode, handoff, job.prompt_token_ids, job.sampling, job.cache_salt,
+                                  self.worker_timeout)
+        return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
+                                      job.sampling, job.cache_salt, self.worker_timeout)
+
+    def _client(self, worker_id: str):
+        client = self.fleet.client(worker_id)
+        if client is None:
+            raise APIError(503, f"worker {worker_id} just went away; retry", code="no_worker",
+                           headers={"Retry-After": "1"})
+        return client
 
     async def _detokenize(self, chunks, job: Job, outcome: Outcome) -> AsyncIterator[Delta]:
         text = self.codec.text_stream(job.stop)
@@ -108,23 +159,21 @@ class CompletionService:
             if outcome.finish_reason:
                 return
 
-    def _track(self, placement: Placement, delta: int) -> None:
-        self.fleet.track(placement.prefill.worker_id, delta)
-        self.fleet.track(placement.decode.worker_id, delta)
+    def _track(self, plan: Plan, delta: int) -> None:
+        for worker_id in plan.workers:
+            self.fleet.track(worker_id, delta)
         self.metrics.in_flight.inc(delta)
 
-    def _observe(self, job: Job, record: HandoffRecord, outcome: Outcome) -> None:
-        m = self.metrics
-        m.prompt_tokens.inc(len(job.prompt_token_ids))
-        m.cached_tokens.inc(record.prefill_cached_tokens)
-        m.generation_tokens.inc(outcome.completion_tokens)
-        if record.first_token_at is None:
-            return
-        m.ttft.observe(record.first_token_at - job.arrived_at)
-        if record.second_token_at is not None:
-            m.second_token.observe(record.second_token_at - record.first_token_at)
-        done = time.perf_counter()
-        m.e2e.observe(done - job.arrived_at)
-        later_tokens = len(record.token_ids) - 2
-        if later_tokens > 0 and record.second_token_at is not None:
-            m.inter_token.observe((done - record.second_token_at) / later_tokens)
+    def _complete(self, job: Job, plan: Plan, handoff: HandoffRecord, outcome: Outcome, record: DecisionRecord,
+                  idle_at_start: bool) -> None:
+        actual = record.actual
+        actual.completion_tokens, actual.finish_reason = outcome.completion_tokens, outcome.finish_reason
+        if handoff.first_token_at is not None:
+            actual.reused_tokens = handoff.prefill_cached_tokens
+            actual.ttft = handoff.first_token_at - job.arrived_at
+            actual.e2e = time.perf_counter() - job.arrived_at
+        if handoff.second_token_at is not None:
+            actual.second_token_gap = handoff.second_token_at - handoff.first_token_at
+        self.metrics.observe_request(job, plan, handoff, record)
+        self.feedback.observe(plan, record, idle_at_start)
+        self.decisions.finish(record)

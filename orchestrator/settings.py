@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from kvroute.config import setting
 
-POLICIES = ("least_loaded", "round_robin")  # see orchestrator.placement
+from orchestrator.planner.policies import POLICIES
+from orchestrator.planner.settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,14 @@ class OrchestratorSettings:
     model: str | None = setting(None, "model folder or hub id; default: SmolLM2-135M-Instruct, prepared on demand")
     served_model_name: str = setting("", "model name clients use; default: the model folder's name")
     max_model_len: int = setting(8192, "longest prompt + completion in tokens; must match the workers")
-    policy: str = setting("least_loaded", f"placement policy, one of {', '.join(POLICIES)}")
+    policy: str = setting("cache_aware", f"placement policy, one of {', '.join(POLICIES)}")
+    allow_policy_override: bool = setting(False, "let a request choose its policy with the header "
+                                                 "X-KVRoute-Policy (for side-by-side experiments)")
+    gap_bound_seconds: float = setting(0.25, "largest acceptable hand-off (first to second token) "
+                                             "before the planner trades TTFT for it")
+    top_k: int = setting(4, "candidates kept per pool and ranking before plans are enumerated")
+    max_in_flight_per_worker: int = setting(8, "hotspot cap: a worker with this many requests takes no more")
+    max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(5.0, "a worker silent for this long is marked down")
     worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker")
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
@@ -29,6 +37,11 @@ class OrchestratorSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+
+    def planner_settings(self) -> PlannerSettings:
+        return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, top_k=self.top_k,
+                               max_in_flight=self.max_in_flight_per_worker,
+                               max_queued_prefill_tokens=self.max_queued_prefill_tokens)
 
     @property
     def registry_address(self) -> str:

@@ -84,15 +84,23 @@ class WorkerClient:
         await self._send(wire.AbortRequest(request_id=request_id))
 
     async def stats(self, timeout: float = 5.0) -> wire.WorkerStats:
-        request_id = f"stats-{uuid.uuid4().hex}"
+        return await self._call(wire.StatsRequest, wire.WorkerStats, timeout)
+
+    async def snapshot(self, timeout: float = 30.0) -> wire.KVSnapshot:
+        """The worker's resident prefix-cache blocks and the KV-event seq they reflect."""
+        return await self._call(wire.SnapshotRequest, wire.KVSnapshot, timeout)
+
+    async def _call(self, request_type, reply_type, timeout: float):
+        """One request, one reply, correlated by a fresh request id."""
+        request_id = f"{request_type.__name__}-{uuid.uuid4().hex}"
         queue = self._open(request_id)
         try:
-            await self._send(wire.StatsRequest(request_id=request_id))
+            await self._send(request_type(request_id=request_id))
             reply = await self._wait(queue, timeout, request_id)
         finally:
             self._queues.pop(request_id, None)
-        if not isinstance(reply, wire.WorkerStats):
-            raise WorkerError("bad_reply", f"expected stats, got {type(reply).__name__}")
+        if not isinstance(reply, reply_type):
+            raise WorkerError("bad_reply", f"expected {reply_type.__name__}, got {type(reply).__name__}")
         return reply
 
     def _open(self, request_id: str) -> asyncio.Queue:

@@ -81,8 +81,11 @@ def test_completions_text_tokens_and_batch(client):
     token_ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=4,
                                           temperature=0)
     assert token_ids.usage.prompt_tokens == 5
-    streamed = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                              temperature=0, stream=True))
+    # openai's CompletionChoice types finish_reason as never null, yet legacy streams (OpenAI's
+    # own included) send null until the last chunk, so strict validation cannot apply here.
+    lenient = openai.OpenAI(base_url=str(client.base_url), api_key="unused")
+    streamed = list(lenient.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                               temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == single.choices[0].text
 
 

@@ -15,6 +15,7 @@ from kvroute.worker.settings import WorkerSettings
 logger = logging.getLogger("kvroute.worker.engine")
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_EVENTS_TOPIC = "kv-events"
 
 
 def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
@@ -37,8 +38,9 @@ def kv_events_config(settings: WorkerSettings) -> KVEventsConfig:
     return KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
-        endpoint=tcp(settings.bind_host, settings.kv_events_port),
-        topic="kv-events",
+        # vLLM binds only wildcard endpoints and *connects* to any other address.
+        endpoint=tcp("*", settings.kv_events_port),
+        topic=KV_EVENTS_TOPIC,
     )
 
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import zmq
 
 from kvroute import wire
-from kvroute.worker.engine import start_engine
+from kvroute.worker.engine import KV_EVENTS_TOPIC, start_engine
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
 from kvroute.worker.heartbeat import HeartbeatSender
+from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
 from kvroute.netutil import tcp
@@ -41,15 +42,18 @@ class Worker:
         self.server: RpcServer | None = None
         self.layout: wire.KVLayoutSpec | None = None
         self.fingerprint = model_fingerprint(self.settings.model)
+        self.resident = ResidentBlocks()
 
     async def run(self) -> None:
         stop = _stop_event()
         self.engine = start_engine(self.settings, self.stats)
         try:
+            tasks = [asyncio.create_task(follow(self.resident, tcp(_local(self.settings.bind_host), self.settings.kv_events_port),
+                                                KV_EVENTS_TOPIC))]
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
-                                    self.worker_stats)
-            tasks = [asyncio.create_task(self.server.serve()),
+                                    self.worker_stats, self.snapshot)
+            tasks += [asyncio.create_task(self.server.serve()),
                      asyncio.create_task(HeartbeatSender(self.settings.orchestrators, self.heartbeat)
                                          .run(self.settings.heartbeat_seconds))]
             self._announce()
@@ -89,6 +93,9 @@ class Worker:
                               kv_events_address=self.settings.kv_events_address,
                               model_fingerprint=self.fingerprint)
 
+    def snapshot(self, request_id: str) -> wire.KVSnapshot:
+        return self.resident.snapshot(request_id, self.settings.incarnation)
+
     async def worker_stats(self) -> wire.WorkerStats:
         transfer = await self._transfer_stats()
         return wire.WorkerStats(worker_id=self.settings.worker_id, role=self.settings.role,
@@ -118,6 +125,11 @@ async def _until_stopped_or_failed(stop: asyncio.Event, tasks: list[asyncio.Task
     for task in done:
         if task is not stop_waiter:
             raise RuntimeError(f"worker task {task.get_coro().__name__} ended unexpectedly") from task.exception()
+
+
+def _local(bind_host: str) -> str:
+    """An address on this host that reaches a socket bound to ``bind_host``."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "*") else bind_host
 
 
 def _stop_event() -> asyncio.Event:

@@ -21,14 +21,16 @@ from kvroute.worker.generation import engine_prompt, sampling_params, to_chunk
 logger = logging.getLogger("kvroute.worker.rpc")
 
 StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
+SnapshotProvider = Callable[[str], wire.KVSnapshot]
 
 
 class RpcServer:
     """Owns the socket and the table of running generate tasks."""
 
-    def __init__(self, engine, bind_address: str, stats: StatsProvider):
+    def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider):
         self.engine = engine
         self._stats = stats
+        self._snapshot = snapshot
         self._context = async_context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -73,6 +75,8 @@ class RpcServer:
             reply = await self._stats()
             reply.request_id = message.request_id
             await self._send(identity, reply)
+        elif isinstance(message, wire.SnapshotRequest):
+            await self._send(identity, self._snapshot(message.request_id))
         else:
             await self._send(identity, wire.ErrorReply(
                 request_id=None, code="bad_request", message=f"unexpected {type(message).__name__}"))

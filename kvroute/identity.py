@@ -1,0 +1,61 @@
+"""Cache identity: when two requests may share KV state.
+
+Token equality is not enough. A request's **namespace** covers everything that changes
+the meaning of KV: model and weights, tokenizer and chat template, adapter, tenant and
+authorisation scope. The namespace becomes
+
+* the ``cache_salt`` given to vLLM, so an engine's prefix cache never shares blocks
+  across namespaces, and
+* the seed of kvroute's chained block hashes, so the index never matches across them.
+
+Block hashes cover full blocks only: hash_i = H(hash_{i-1} ‖ tokens of block i), with
+hash_{-1} derived from the salt. They are kvroute's own; vLLM's engine hashes are
+mapped onto them per worker, never assumed equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+SALT_PREFIX = "kvr1-"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    model_fingerprint: str  # model, weights revision, tokenizer and chat template (model_prep)
+    adapter: str = ""  # LoRA adapter name; empty for the base model
+    tenant: str = "anonymous"
+    scope: str = "default"  # authorisation scope within the tenant
+
+    def cache_salt(self) -> str:
+        """Stable, opaque, and different for any difference in any field."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return SALT_PREFIX + hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+BlockHash = int
+
+
+def chain_seed(cache_salt: str | None) -> BlockHash:
+    """hash_{-1}: the root every chain in this namespace grows from."""
+    return xxhash.xxh3_128_intdigest(b"kvroute-namespace\x00" + (cache_salt or "").encode())
+
+
+def next_block_hash(parent: BlockHash, block_token_ids) -> BlockHash:
+    payload = parent.to_bytes(16, "little") + array("I", block_token_ids).tobytes()
+    return xxhash.xxh3_128_intdigest(payload)
+
+
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids`` (a partial tail has none)."""
+    hashes: list[BlockHash] = []
+    parent = chain_seed(cache_salt)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = next_block_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes

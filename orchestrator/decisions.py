@@ -1,0 +1,95 @@
+"""Decision records: for every request, what the planner expected, what happened, and why.
+
+A record is written when the request is placed (estimates, alternatives, reason) and
+completed when it finishes (actual reused tokens and latencies). Recent records stay in
+memory for ``GET /v1/decisions``; every completed record is also logged as one JSON line
+on the ``kvroute.decisions`` logger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from orchestrator.planner.views import Decision, Plan
+
+logger = logging.getLogger("kvroute.decisions")
+
+
+def plan_summary(plan: Plan) -> dict:
+    summary = {"kind": plan.kind.value, "prefill_worker": plan.prefill_worker, "decode_worker": plan.decode_worker,
+               "feasible": plan.feasible}
+    if plan.infeasible_reason:
+        summary["infeasible_reason"] = plan.infeasible_reason
+    if plan.estimate is not None:
+        summary["estimate"] = asdict(plan.estimate)
+    return summary
+
+
+@dataclass
+class Actual:
+    reused_tokens: int | None = None  # prompt tokens the prefilling engine did not compute
+    ttft: float | None = None
+    second_token_gap: float | None = None
+    e2e: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class DecisionRecord:
+    response_id: str
+    choice_index: int
+    request_id: str
+    policy: str
+    prompt_tokens: int
+    block_size: int
+    predicted_reused_tokens: int
+    reason: str
+    chosen: dict | None
+    alternatives: list[dict]
+    created_at: float = field(default_factory=time.time)
+    actual: Actual = field(default_factory=Actual)
+
+    @classmethod
+    def from_decision(cls, decision: Decision, response_id: str, choice_index: int, request_id: str,
+                      prompt_tokens: int, block_size: int) -> "DecisionRecord":
+        chosen = decision.chosen
+        predicted = chosen.estimate.reused_tokens if chosen and chosen.estimate else 0
+        return cls(response_id, choice_index, request_id, decision.policy, prompt_tokens, block_size, predicted,
+                   decision.reason, plan_summary(chosen) if chosen else None,
+                   [plan_summary(p) for p in decision.alternatives if p is not chosen])
+
+    def index_overestimated(self) -> bool:
+        """The index promised reuse that the engine did not deliver (stale entries)."""
+        reused = self.actual.reused_tokens
+        return reused is not None and reused + self.block_size <= self.predicted_reused_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DecisionLog:
+    """Bounded, most recent last. Single writer: the event loop."""
+
+    def __init__(self, capacity: int = 2000):
+        self.capacity = capacity
+        self._records: OrderedDict[tuple[str, int], DecisionRecord] = OrderedDict()
+
+    def add(self, record: DecisionRecord) -> None:
+        self._records[(record.response_id, record.choice_index)] = record
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def finish(self, record: DecisionRecord) -> None:
+        logger.info(json.dumps(record.to_dict(), separators=(",", ":"), default=str))
+
+    def by_response(self, response_id: str) -> list[DecisionRecord]:
+        return [r for (rid, _), r in self._records.items() if rid == response_id]
+
+    def recent(self, limit: int) -> list[DecisionRecord]:
+        return list(self._records.values())[-limit:][::-1]

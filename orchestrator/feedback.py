@@ -1,0 +1,38 @@
+"""Estimate vs actual, fed back: stale index entries get resynced, timings calibrate the model.
+
+A predicted hit that did not happen means the index was stale for that worker, so the
+worker's entries are reloaded from its snapshot. Prefill timings are taken only from
+requests that found their workers idle, where TTFT is (almost) pure prefill time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orchestrator.decisions import DecisionRecord
+from orchestrator.index_sync import IndexSync
+from orchestrator.metrics import Metrics
+from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.views import Plan, PlanKind
+
+logger = logging.getLogger("kvroute.orchestrator.feedback")
+
+
+class Feedback:
+    def __init__(self, index_sync: IndexSync, calibration: Calibration, metrics: Metrics):
+        self.index_sync = index_sync
+        self.calibration = calibration
+        self.metrics = metrics
+
+    def observe(self, plan: Plan, record: DecisionRecord, idle_at_start: bool) -> None:
+        prefilling = plan.prefill_worker if plan.kind is PlanKind.DISAGG else plan.decode_worker
+        if record.index_overestimated():
+            self.metrics.index_mispredictions.labels(prefilling).inc()
+            logger.warning("index predicted %d reused tokens on %s, engine reused %d; resyncing",
+                           record.predicted_reused_tokens, prefilling, record.actual.reused_tokens)
+            self.index_sync.request_resync(prefilling)
+        actual = record.actual
+        if idle_at_start and actual.ttft is not None and actual.reused_tokens is not None:
+            role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
+            new_tokens = record.prompt_tokens - actual.reused_tokens
+            self.calibration.prefill.observe(role, new_tokens, actual.reused_tokens, actual.ttft)

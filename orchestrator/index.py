@@ -1,0 +1,124 @@
+"""Which worker holds how many leading blocks of a prompt. Mechanism only: it never decides.
+
+Entries are keyed by kvroute's own chained block hashes (``kvroute.identity``). vLLM's
+events name blocks by the engine's hashes, so each worker keeps a map engine hash →
+our hash; a stored block's hash is derived from its parent's (or, for a first block,
+from the cache salt in its extra keys) and its tokens. A worker's entries live under
+its incarnation id; a new incarnation or a dead worker purges them all.
+
+Longest-prefix match walks the prompt's block hashes once, narrowing the set of
+workers that still match: O(prompt blocks × matching workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvroute import identity, kv_events
+
+
+_NOBODY: frozenset[str] = frozenset()
+
+
+@dataclass
+class _WorkerEntries:
+    incarnation: str
+    ours: dict[kv_events.EngineHash, identity.BlockHash] = field(default_factory=dict)
+    orphans: int = 0  # stored blocks whose parent we never saw (skipped, counted)
+
+
+class PrefixIndex:
+    """Single writer: the index-sync task of the orchestrator."""
+
+    def __init__(self):
+        self._owners: dict[identity.BlockHash, set[str]] = {}
+        self._workers: dict[str, _WorkerEntries] = {}
+
+    # ------------------------------------------------------------ writes
+
+    def reset_worker(self, worker_id: str, incarnation: str) -> None:
+        """Forget everything about ``worker_id`` and start its entries afresh."""
+        self.purge(worker_id)
+        self._workers[worker_id] = _WorkerEntries(incarnation)
+
+    def purge(self, worker_id: str) -> None:
+        entries = self._workers.pop(worker_id, None)
+        if entries is None:
+            return
+        for ours in entries.ours.values():
+            self._disown(ours, worker_id)
+
+    def apply(self, worker_id: str, event: kv_events.KVEvent) -> None:
+        entries = self._workers[worker_id]
+        if isinstance(event, kv_events.BlockStored):
+            for record in kv_events.stored_blocks(event):
+                self._store(worker_id, entries, record, event.lora_name)
+        elif isinstance(event, kv_events.BlockRemoved):
+            for engine_hash in event.block_hashes:
+                ours = entries.ours.pop(engine_hash, None)
+                if ours is not None:
+                    self._disown(ours, worker_id)
+        else:
+            self.reset_worker(worker_id, entries.incarnation)
+
+    def load_snapshot(self, worker_id: str, incarnation: str, blocks: Iterable[kv_events.StoredBlockRecord]) -> None:
+        """Replace a worker's entries with a snapshot; parents may come after children."""
+        self.reset_worker(worker_id, incarnation)
+        entries = self._workers[worker_id]
+        pending = list(blocks)
+        while pending:
+            progress = [r for r in pending if r.parent is None or r.parent in entries.ours]
+            if not progress:
+                entries.orphans += len(pending)
+                return
+            for record in progress:
+                self._store(worker_id, entries, record, None)
+            done = {id(r) for r in progress}
+            pending = [r for r in pending if id(r) not in done]
+
+    def _store(self, worker_id: str, entries: _WorkerEntries, record: kv_events.StoredBlockRecord,
+               lora_name: str | None) -> None:
+        if record.parent is None:
+            parent = identity.chain_seed(kv_events.salt_of(record.extra_keys, lora_name))
+        elif record.parent in entries.ours:
+            parent = entries.ours[record.parent]
+        else:
+            entries.orphans += 1  # unreachable by prefix match anyway
+            return
+        ours = identity.next_block_hash(parent, record.token_ids)
+        entries.ours[record.engine_hash] = ours
+        self._owners.setdefault(ours, set()).add(worker_id)
+
+    def _disown(self, ours: identity.BlockHash, worker_id: str) -> None:
+        owners = self._owners.get(ours)
+        if owners is not None:
+            owners.discard(worker_id)
+            if not owners:
+                del self._owners[ours]
+
+    # ------------------------------------------------------------ reads
+
+    def incarnation(self, worker_id: str) -> str | None:
+        entries = self._workers.get(worker_id)
+        return entries.incarnation if entries else None
+
+    def num_blocks(self, worker_id: str) -> int:
+        entries = self._workers.get(worker_id)
+        return len(entries.ours) if entries else 0
+
+    def match(self, block_hashes: list[identity.BlockHash]) -> dict[str, int]:
+        """Per worker with at least one match: how many leading blocks it holds."""
+        matched: dict[str, int] = {}
+        active: set[str] = set()
+        for position, block_hash in enumerate(block_hashes):
+            owners = self._owners.get(block_hash, _NOBODY)
+            still = set(owners) if position == 0 else active & owners
+            for worker in active - still:
+                matched[worker] = position
+            active = still
+            if not active:
+                return matched
+        for worker in active:
+            matched[worker] = len(block_hashes)
+        return matched

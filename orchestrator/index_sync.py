@@ -1,0 +1,149 @@
+"""Keeping the prefix index in step with every worker's engine.
+
+Per live worker incarnation, one task::
+
+    subscribe to its KV events ─▶ load its snapshot (stamped with seq S)
+        ─▶ apply events with seq > S, in order
+        ─▶ a gap in the sequence numbers (events lost) ─▶ reload the snapshot
+
+The worker going down or restarting cancels the task and purges its entries, so no
+request is ever planned against a cache that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+
+from kvroute import kv_events, wire
+from kvroute.netutil import async_context
+from orchestrator.index import PrefixIndex
+from orchestrator.registry import WorkerView
+from orchestrator.worker_client import WorkerClient, WorkerError
+
+logger = logging.getLogger("kvroute.orchestrator.index_sync")
+
+KV_EVENTS_TOPIC = b"kv-events"
+
+
+def snapshot_records(snapshot: wire.KVSnapshot) -> list[kv_events.StoredBlockRecord]:
+    return [kv_events.StoredBlockRecord(b.engine_hash, b.parent, tuple(b.token_ids),
+                                        tuple(b.extra_keys) if b.extra_keys else None) for b in snapshot.blocks]
+
+
+class WorkerIndexSync:
+    """Owns one worker's SUB socket; the only writer of that worker's index entries."""
+
+    def __init__(self, index: PrefixIndex, worker: WorkerView, client: WorkerClient):
+        self.index = index
+        self.worker = worker
+        self.client = client
+        self.last_seq = -1
+        self.resyncs = 0
+        self.gaps = 0
+        self._resyncing = False
+
+    async def run(self) -> None:
+        socket = async_context().socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
+        socket.connect(self.worker.kv_events_address)
+        try:
+            await self._resync()
+            while True:
+                self._on_frames(await socket.recv_multipart())
+                if self.last_seq == _NEEDS_RESYNC:
+                    await self._resync()
+        finally:
+            socket.close(linger=0)
+            self.index.purge(self.worker.worker_id)
+
+    async def resync_now(self) -> None:
+        """Reload the snapshot out of band (e.g. after the index mispredicted a hit)."""
+        if not self._resyncing:
+            await self._resync()
+
+    async def _resync(self) -> None:
+        self._resyncing = True
+        try:
+            await self._load_snapshot()
+        finally:
+            self._resyncing = False
+
+    async def _load_snapshot(self) -> None:
+        while True:
+            try:
+                snapshot = await self.client.snapshot()
+                break
+            except WorkerError as error:
+                logger.warning("snapshot of %s failed (%s); retrying", self.worker.worker_id, error)
+                await asyncio.sleep(1.0)
+        self.index.load_snapshot(self.worker.worker_id, self.worker.incarnation, snapshot_records(snapshot))
+        self.last_seq = snapshot.seq
+        self.resyncs += 1
+        logger.info("index of %s loaded from snapshot at seq %d (%d blocks)", self.worker.worker_id,
+                    snapshot.seq, self.index.num_blocks(self.worker.worker_id))
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            seq, batch = kv_events.decode_frames(frames)
+        except kv_events.KVEventDecodeError as error:
+            logger.warning("undecodable KV event from %s: %s", self.worker.worker_id, error)
+            return
+        if seq <= self.last_seq:
+            return  # already in the snapshot
+        if seq != self.last_seq + 1:
+            self.gaps += 1
+            logger.warning("KV events %d..%d from %s lost; resyncing", self.last_seq + 1, seq - 1,
+                           self.worker.worker_id)
+            self.last_seq = _NEEDS_RESYNC
+            return
+        for event in batch.events:
+            self.index.apply(self.worker.worker_id, event)
+        self.last_seq = seq
+
+
+_NEEDS_RESYNC = -2
+
+
+class IndexSync:
+    """Starts and stops one ``WorkerIndexSync`` per live worker incarnation."""
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+        self._tasks: dict[str, tuple[WorkerIndexSync, asyncio.Task]] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def worker_up(self, worker: WorkerView, client: WorkerClient) -> None:
+        self.worker_down(worker.worker_id)
+        if not worker.kv_events_address:
+            return
+        sync = WorkerIndexSync(self.index, worker, client)
+        self._tasks[worker.worker_id] = (sync, asyncio.create_task(sync.run()))
+
+    def worker_down(self, worker_id: str) -> None:
+        entry = self._tasks.pop(worker_id, None)
+        if entry is not None:
+            entry[1].cancel()
+        self.index.purge(worker_id)
+
+    def request_resync(self, worker_id: str) -> None:
+        entry = self._tasks.get(worker_id)
+        if entry is not None:
+            task = asyncio.create_task(entry[0].resync_now())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def stats(self, worker_id: str) -> tuple[int, int]:
+        """(resyncs, gaps) seen for a worker's current incarnation."""
+        entry = self._tasks.get(worker_id)
+        return (entry[0].resyncs, entry[0].gaps) if entry else (0, 0)
+
+    async def stop(self) -> None:
+        tasks = [task for _, task in self._tasks.values()] + list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()

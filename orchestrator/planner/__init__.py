@@ -1,0 +1,1 @@
+"""Placement: pure functions over frozen snapshots that decide where a request runs."""

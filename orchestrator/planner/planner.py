@@ -1,0 +1,107 @@
+"""The cache-aware policy: weigh reuse on a busy worker against recompute on an idle one,
+in seconds (DESIGN.md section 3). Pure: everything it needs is passed in.
+
+    prune pools -> enumerate LOCAL and DISAGG plans -> estimate + mark infeasible -> rank -> explain
+
+Ranking: feasible plans whose hand-off gap is within the bound come first, by least
+TTFT (plus the interference a LOCAL prefill causes); if none is within the bound, by
+least TTFT + gap. Ties go to the smaller gap, then the lighter load, then worker ids.
+"""
+
+from __future__ import annotations
+
+from orchestrator.planner.candidates import load_key, prune
+from orchestrator.planner.cost_model import CostModel
+from orchestrator.planner.plans import (decode_problem_for, describe, disagg_plan, held_blocks, local_plan,
+                                        prefill_worker_problem, prompt_blocks)
+from orchestrator.planner.settings import PlannerSettings
+from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
+
+POLICY_NAME = "cache_aware"
+TIE_RESOLUTION_SECONDS = 6  # decimal places: costs closer than a microsecond are a tie
+
+
+class CacheAwarePlanner:
+    name = POLICY_NAME
+
+    def __init__(self, settings: PlannerSettings | None = None):
+        self.settings = settings or PlannerSettings()
+
+    def decide(self, request: RequestView, prefill: list[WorkerView], decode: list[WorkerView],
+               model: CostModel) -> Decision:
+        return plan_request(request, prefill, decode, model, self.settings)
+
+
+def plan_request(request: RequestView, prefill: list[WorkerView], decode: list[WorkerView],
+                 model: CostModel, settings: PlannerSettings) -> Decision:
+    prefill_candidates = prune(prefill, settings.top_k, lambda w: prefill_worker_problem(w, settings))
+    decode_candidates = prune(decode, settings.top_k, decode_problem_for(request, settings))
+    plans = enumerate_plans(request, prefill_candidates, decode_candidates, model, settings)
+    views = {worker.worker_id: worker for worker in prefill_candidates + decode_candidates}
+    ranked = rank(plans, views, settings)
+    chosen = ranked[0] if ranked else None
+    return Decision(POLICY_NAME, chosen, tuple(plans), explain(request, plans, ranked, views, settings))
+
+
+def enumerate_plans(request: RequestView, prefill: list[WorkerView], decode: list[WorkerView],
+                    model: CostModel, settings: PlannerSettings) -> list[Plan]:
+    """Every LOCAL plan on a decode candidate, then every prefill x decode DISAGG pair."""
+    local = [local_plan(request, worker, model, settings) for worker in decode]
+    disagg = [disagg_plan(request, source, sink, model, settings) for source in prefill for sink in decode]
+    return local + disagg
+
+
+def rank(plans: list[Plan], views: dict[str, WorkerView], settings: PlannerSettings) -> list[Plan]:
+    """Feasible plans, best first."""
+    return sorted((plan for plan in plans if plan.feasible), key=lambda plan: ranking_key(plan, views, settings))
+
+
+def ranking_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> tuple:
+    estimate = plan.estimate
+    over_bound = estimate.gap > settings.gap_bound_seconds
+    seconds = estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
+    load = [load_key(views[worker_id])[:2] for worker_id in plan.workers]
+    total_load = (sum(active for active, _ in load), sum(queued for _, queued in load))
+    return (over_bound, round(seconds, TIE_RESOLUTION_SECONDS), round(estimate.gap, TIE_RESOLUTION_SECONDS),
+            total_load, plan.prefill_worker or "", plan.decode_worker)
+
+
+def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: dict[str, WorkerView],
+            settings: PlannerSettings) -> str:
+    if not ranked:
+        return no_plan_reason(plans)
+    chosen = ranked[0]
+    reason = f"{describe(chosen)}: {holdings(chosen, request, views)}; est. {timing(chosen)}"
+    if chosen.estimate.gap > settings.gap_bound_seconds:
+        reason += f"; no plan within the {settings.gap_bound_seconds:.2f} s gap bound, least TTFT + gap"
+    if len(ranked) > 1:
+        runner_up = ranked[1]
+        reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
+                   f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s)")
+    return reason
+
+
+def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> str:
+    prefiller = plan.prefill_worker or plan.decode_worker
+    total = prompt_blocks(request)
+    text = f"{prefiller} holds {held_blocks(request, views[prefiller])}/{total} blocks"
+    if plan.kind is PlanKind.DISAGG:
+        missing = total - held_blocks(request, views[plan.decode_worker])
+        text += f", {plan.decode_worker} pulls {missing}"
+    return text
+
+
+def timing(plan: Plan) -> str:
+    estimate = plan.estimate
+    text = f"TTFT {estimate.ttft:.3f} s (queue {estimate.queue_wait:.3f} s), gap {estimate.gap:.3f} s"
+    if estimate.interference > 0:
+        text += f", slows running decodes by {estimate.interference:.3f} s"
+    return text
+
+
+def no_plan_reason(plans: list[Plan]) -> str:
+    if not plans:
+        return "no feasible plan: no prefill or decode worker available"
+    problems = list(dict.fromkeys(plan.infeasible_reason for plan in plans))
+    shown = "; ".join(problems[:4]) + ("; …" if len(problems) > 4 else "")
+    return f"no feasible plan among {len(plans)}: {shown}"

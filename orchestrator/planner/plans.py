@@ -1,0 +1,115 @@
+"""Building one plan: is it feasible, and what will it cost? Pure.
+
+Shared by the cache-aware planner and the baselines, so every decision record carries
+estimates computed the same way and can be compared side by side.
+
+    LOCAL d:     ttft = queue_wait(d) + prefill(d)        gap = 0   (+ interference on d)
+    DISAGG p->d: ttft = queue_wait(p) + prefill(p)        gap = transfer(p->d) + admission(d)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from orchestrator.planner import cost_model as cost
+from orchestrator.planner.cost_model import CostModel
+from orchestrator.planner.settings import PlannerSettings
+from orchestrator.planner.views import Estimate, Plan, PlanKind, RequestView, WorkerView
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def prompt_blocks(request: RequestView) -> int:
+    return ceil_div(request.prompt_tokens, request.block_size)
+
+
+def held_blocks(request: RequestView, worker: WorkerView) -> int:
+    """Leading prompt blocks resident on ``worker`` (the index can report more than the prompt has)."""
+    return min(worker.cached_blocks, prompt_blocks(request))
+
+
+def reused_tokens(request: RequestView, worker: WorkerView) -> int:
+    """Cached tokens a prefill on ``worker`` skips; the engine always recomputes the last token."""
+    return max(0, min(held_blocks(request, worker) * request.block_size, request.prompt_tokens - 1))
+
+
+def blocks_needed(request: RequestView, settings: PlannerSettings) -> int:
+    """KV blocks the decode worker holds over the request's lifetime: prompt and output."""
+    tokens = request.prompt_tokens + settings.output_tokens(request.expected_output_tokens)
+    return ceil_div(tokens, request.block_size)
+
+
+def concurrency_problem(worker: WorkerView, settings: PlannerSettings) -> str:
+    active = cost.active_requests(worker)
+    if active >= settings.max_in_flight:
+        return f"{worker.worker_id} at concurrency cap ({active}/{settings.max_in_flight})"
+    return ""
+
+
+def queue_problem(worker: WorkerView, settings: PlannerSettings) -> str:
+    queued = worker.num_queued_prefill_tokens
+    if queued >= settings.max_queued_prefill_tokens:
+        return f"{worker.worker_id} over queued-token cap ({queued}/{settings.max_queued_prefill_tokens})"
+    return ""
+
+
+def lacks_room(decode: WorkerView, needed: int, held: int) -> str:
+    """Blocks the worker already holds for this prefix count as free: it will not allocate them."""
+    if decode.num_free_blocks + held < needed:
+        return f"{decode.worker_id} lacks room (needs {needed} blocks, has {decode.num_free_blocks} free + {held} held)"
+    return ""
+
+
+def prefill_worker_problem(worker: WorkerView, settings: PlannerSettings) -> str:
+    """Why ``worker`` cannot take one more prefill; empty when it can."""
+    return concurrency_problem(worker, settings) or queue_problem(worker, settings)
+
+
+def decode_worker_problem(worker: WorkerView, request: RequestView, settings: PlannerSettings) -> str:
+    """Why ``worker`` cannot decode this request; empty when it can."""
+    return decode_problem_for(request, settings)(worker)
+
+
+def decode_problem_for(request: RequestView, settings: PlannerSettings) -> Callable[[WorkerView], str]:
+    """``decode_worker_problem`` with the request's block counts worked out once, for whole pools."""
+    needed, total = blocks_needed(request, settings), prompt_blocks(request)
+
+    def problem(worker: WorkerView) -> str:
+        return concurrency_problem(worker, settings) or lacks_room(worker, needed, min(worker.cached_blocks, total))
+
+    return problem
+
+
+def local_plan(request: RequestView, decode: WorkerView, model: CostModel, settings: PlannerSettings) -> Plan:
+    reused = reused_tokens(request, decode)
+    queue_wait = cost.queue_wait_seconds(model, decode)
+    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role)
+    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0, ttft=queue_wait + prefill,
+                        gap=0.0, reused_tokens=reused, transfer_bytes=0,
+                        interference=cost.local_interference_seconds(model, decode, prefill))
+    problem = decode_worker_problem(decode, request, settings) or queue_problem(decode, settings)
+    return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
+
+
+def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: WorkerView,
+                model: CostModel, settings: PlannerSettings) -> Plan:
+    """The decode worker pulls only the prompt blocks it does not already hold."""
+    reused = reused_tokens(request, prefill_worker)
+    queue_wait = cost.queue_wait_seconds(model, prefill_worker)
+    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, prefill_worker.role)
+    missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
+    transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
+    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer, ttft=queue_wait + prefill,
+                        gap=transfer + cost.admission_seconds(model, decode), reused_tokens=reused,
+                        transfer_bytes=missing_bytes)
+    problem = (prefill_worker_problem(prefill_worker, settings)
+               or decode_worker_problem(decode, request, settings))
+    return Plan(PlanKind.DISAGG, decode.worker_id, prefill_worker.worker_id, estimate, not problem, problem)
+
+
+def describe(plan: Plan) -> str:
+    if plan.kind is PlanKind.LOCAL:
+        return f"LOCAL {plan.decode_worker}"
+    return f"DISAGG {plan.prefill_worker}→{plan.decode_worker}"

@@ -1,0 +1,33 @@
+"""Planner settings: typed, validated, frozen. Defaults are documented here once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    # Largest hand-off (first to second token) we accept before trading TTFT for it:
+    # ~10 decode steps, about where a stream visibly stutters.
+    gap_bound_seconds: float = 0.25
+    # Candidates kept per pool and per ranking (prefix match, load); the planner weighs
+    # at most 2k prefill x 2k decode pairs, so its cost stays flat as the fleet grows.
+    top_k: int = 4
+    # Hotspot caps: a warm cache must not attract every request. Eight concurrent
+    # requests keep a CPU worker's decode step near its measured 15-25 ms.
+    max_in_flight: int = 8
+    # ~16 cold 1k-token prompts (~6 s of prefill on CPU) queued is already past any TTFT target.
+    max_queued_prefill_tokens: int = 16_384
+    # Output length assumed when the request does not say (max_tokens unset); it sizes
+    # the decode worker's KV room for the request's lifetime.
+    expected_output_tokens: int = 256
+
+    def __post_init__(self):
+        if self.gap_bound_seconds < 0:
+            raise ValueError("gap_bound_seconds must be >= 0")
+        for name in ("top_k", "max_in_flight", "max_queued_prefill_tokens", "expected_output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def output_tokens(self, requested: int) -> int:
+        return requested if requested > 0 else self.expected_output_tokens

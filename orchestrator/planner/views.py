@@ -1,0 +1,81 @@
+"""Frozen inputs and outputs of the planner. No clock, socket or global config inside.
+
+The orchestrator builds these snapshots from the registry (load, capacity), its own
+in-flight counts, and the index (how many leading prompt blocks a worker holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class PlanKind(str, Enum):
+    LOCAL = "local"  # the decode worker prefills the prompt itself (its own cached prefix helps)
+    DISAGG = "disagg"  # a prefill worker prefills; the decode worker pulls the blocks it lacks
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as the planner sees it at decision time."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    bytes_per_block: int
+    in_flight: int = 0  # requests this orchestrator sent and has not seen finish
+    cached_blocks: int = 0  # leading blocks of this request's prompt resident on the worker
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    prompt_tokens: int
+    expected_output_tokens: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Seconds unless named otherwise. ``ttft`` is what the client waits for token 1;
+    ``gap`` is the hand-off between token 1 and token 2 (transfer + decode admission)."""
+
+    queue_wait: float
+    prefill: float
+    transfer: float
+    ttft: float
+    gap: float
+    reused_tokens: int
+    transfer_bytes: int
+    # Seconds charged for slowing others down: a LOCAL prefill stalls the decode worker's
+    # running decodes. Not part of this request's TTFT; planners add it when ranking.
+    interference: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: PlanKind
+    decode_worker: str
+    prefill_worker: str | None  # None for LOCAL
+    estimate: Estimate | None = None
+    feasible: bool = True
+    infeasible_reason: str = ""
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return (self.prefill_worker, self.decode_worker) if self.prefill_worker else (self.decode_worker,)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen plan, the alternatives considered (with their estimates), and why."""
+
+    policy: str
+    chosen: Plan | None
+    alternatives: tuple[Plan, ...] = field(default_factory=tuple)
+    reason: str = ""

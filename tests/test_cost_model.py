@@ -1,0 +1,190 @@
+"""Table tests for the cost model and its online calibration."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from orchestrator.planner import cost_model as cost
+from orchestrator.planner.calibration import Calibration, LinkCalibrator, PrefillCalibrator, calibrated_model
+from orchestrator.planner.cost_model import CostModel, LinkEstimate, PrefillCoefficients
+from orchestrator.planner.views import WorkerView
+
+MODEL = CostModel()
+
+
+def worker(worker_id="w0", role="prefill", **fields) -> WorkerView:
+    defaults = dict(num_running=0, num_waiting=0, num_queued_prefill_tokens=0, num_free_blocks=1000,
+                    num_total_blocks=1000, block_size=16, bytes_per_block=16 * 23_040)
+    return WorkerView(worker_id, role, **{**defaults, **fields})
+
+
+def test_defaults_match_the_measured_prefills():
+    assert cost.prefill_seconds(MODEL, 900, 0) == pytest.approx(0.38, rel=0.05)
+    assert cost.prefill_seconds(MODEL, 4, 896) == pytest.approx(0.054, rel=0.1)
+
+
+@pytest.mark.parametrize("fewer, more", [(1, 2), (16, 17), (100, 900), (900, 4000)])
+@pytest.mark.parametrize("cached", [0, 512, 4096])
+def test_more_new_tokens_take_longer(fewer, more, cached):
+    assert cost.prefill_seconds(MODEL, more, cached) > cost.prefill_seconds(MODEL, fewer, cached)
+
+
+@pytest.mark.parametrize("less, more", [(0, 16), (16, 512), (512, 4096)])
+def test_more_cached_context_costs_attention_but_a_cached_prefix_saves_work(less, more):
+    # The same new tokens attend over a longer cached context: a little slower...
+    assert cost.prefill_seconds(MODEL, 100, more) > cost.prefill_seconds(MODEL, 100, less)
+    # ...but for a fixed prompt, each cached token is one fewer to compute: much faster.
+    prompt = 5000
+    assert cost.prefill_seconds(MODEL, prompt - more, more) < cost.prefill_seconds(MODEL, prompt - less, less)
+
+
+def test_nothing_new_costs_nothing():
+    assert cost.prefill_seconds(MODEL, 0, 900) == 0.0
+
+
+@pytest.mark.parametrize("num_bytes, link, expected", [
+    (0, LinkEstimate(1e9, 0.001), 0.0),
+    (1_000_000_000, LinkEstimate(1e9, 0.001), 1.001),
+    (3_000_000, LinkEstimate(3e9, 0.002), 0.003),
+    (23_040 * 900, cost.DEFAULT_LINK, 0.001 + 23_040 * 900 / 3e9),
+])
+def test_transfer_is_latency_plus_bytes_over_bandwidth(num_bytes, link, expected):
+    assert cost.transfer_seconds(num_bytes, link) == pytest.approx(expected)
+
+
+def test_links_fall_back_to_the_default():
+    fast = LinkEstimate(10e9, 0.0001)
+    model = CostModel(links={("p0", "d0"): fast})
+    assert model.link("p0", "d0") == fast
+    assert model.link("d0", "p0") == cost.DEFAULT_LINK
+
+
+def test_queue_wait_grows_with_queued_tokens_and_active_requests():
+    idle = worker()
+    assert cost.queue_wait_seconds(MODEL, idle) == 0.0
+    queued = worker(num_waiting=1, num_queued_prefill_tokens=900)
+    assert cost.queue_wait_seconds(MODEL, queued) == pytest.approx(0.05 + 900 * 3.1e-4 + 0.005)
+    # in-flight requests the worker has not reported yet still count
+    assert cost.queue_wait_seconds(MODEL, worker(in_flight=4)) == pytest.approx(4 * 0.005)
+
+
+def test_local_prefill_on_a_busy_decode_worker_is_penalised():
+    assert cost.local_interference_seconds(MODEL, worker(role="decode"), 0.4) == 0.0
+    assert cost.local_interference_seconds(MODEL, worker(role="decode", num_running=4), 0.4) == pytest.approx(0.4)
+
+
+def test_admission_waits_behind_waiting_requests():
+    assert cost.admission_seconds(MODEL, worker(role="decode")) == pytest.approx(0.020)
+    assert cost.admission_seconds(MODEL, worker(role="decode", num_waiting=2)) == pytest.approx(0.060)
+
+
+def test_the_model_is_frozen_mappings_included():
+    model = CostModel(links={("p0", "d0"): cost.DEFAULT_LINK})
+    with pytest.raises(TypeError):
+        model.links[("p1", "d0")] = cost.DEFAULT_LINK
+    source = {("p0", "d0"): cost.DEFAULT_LINK}
+    model = CostModel(links=source)
+    source[("p9", "d9")] = cost.DEFAULT_LINK
+    assert ("p9", "d9") not in model.links
+
+
+TRUE_PREFILL = PrefillCoefficients(fixed_seconds=0.03, per_token_seconds=2.0e-4, attention_seconds=1.5e-7)
+
+
+def noisy_prefills(count: int, seed: int = 7, noise: float = 0.03):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        new, cached = int(rng.integers(1, 4000)), int(rng.integers(0, 4000))
+        seconds = cost.prefill_seconds_with(TRUE_PREFILL, new, cached) * (1 + rng.normal(0, noise))
+        yield new, cached, seconds
+
+
+def test_calibration_recovers_known_coefficients_from_noisy_data():
+    calibrator = PrefillCalibrator(window=256)
+    for new, cached, seconds in noisy_prefills(400):
+        calibrator.observe("prefill", new, cached, seconds)
+    fit = calibrator.coefficients("prefill")
+    for name in ("fixed_seconds", "per_token_seconds", "attention_seconds"):
+        assert getattr(fit, name) == pytest.approx(getattr(TRUE_PREFILL, name), rel=0.10), name
+
+
+def test_calibration_falls_back_to_defaults_with_too_few_points():
+    calibrator = PrefillCalibrator(min_points=8)
+    for new, cached, seconds in noisy_prefills(7):
+        calibrator.observe("prefill", new, cached, seconds)
+    assert calibrator.coefficients("prefill") == cost.DEFAULT_PREFILL
+    assert calibrator.coefficients("decode") == cost.DEFAULT_PREFILL
+    assert calibrator.fitted() == {}
+
+
+def test_calibration_falls_back_when_points_cannot_determine_a_fit():
+    calibrator = PrefillCalibrator()
+    for _ in range(20):  # one prompt shape over and over: three coefficients, one equation
+        calibrator.observe("prefill", 900, 0, 0.38)
+    assert calibrator.coefficients("prefill") == cost.DEFAULT_PREFILL
+
+
+def test_calibration_never_returns_negative_coefficients():
+    calibrator = PrefillCalibrator()
+    for new in range(100, 2100, 100):  # pure per-token cost, so the fixed part wants to go below zero
+        calibrator.observe("prefill", new, 0, 1e-4 * new - 0.01)
+    fit = calibrator.coefficients("prefill")
+    assert min(fit.fixed_seconds, fit.per_token_seconds, fit.attention_seconds) >= 0
+    assert fit.per_token_seconds > 0
+
+
+def test_calibration_window_follows_drift():
+    calibrator = PrefillCalibrator(window=32)
+    for new, cached, seconds in noisy_prefills(64, noise=0.0):
+        calibrator.observe("prefill", new, cached, 2 * seconds)  # the old, slower machine
+    for new, cached, seconds in noisy_prefills(32, seed=8, noise=0.0):
+        calibrator.observe("prefill", new, cached, seconds)
+    assert calibrator.coefficients("prefill").per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
+
+
+def test_link_estimates_converge_to_the_true_link():
+    true_bandwidth, true_latency = 2.5e9, 0.005  # latency well away from the 1 ms prior
+    rng = np.random.default_rng(3)
+    calibrator = LinkCalibrator()
+    for _ in range(200):
+        num_bytes = int(rng.integers(100_000, 50_000_000))
+        seconds = (true_latency + num_bytes / true_bandwidth) * (1 + rng.normal(0, 0.01))
+        calibrator.observe("p0", "d0", num_bytes, seconds)
+    estimate = calibrator.estimate("p0", "d0")
+    assert estimate.bandwidth_bytes_per_second == pytest.approx(true_bandwidth, rel=0.10)
+    assert estimate.latency_seconds == pytest.approx(true_latency, rel=0.2)
+    assert calibrator.estimate("p1", "d0") == cost.DEFAULT_LINK
+
+
+def test_link_estimates_follow_a_change_in_bandwidth():
+    calibrator = LinkCalibrator()
+    sizes = [1_000_000, 20_000_000, 5_000_000, 40_000_000]
+    for round_ in range(40):
+        bandwidth = 3e9 if round_ < 20 else 0.5e9  # the link got congested halfway
+        for size in sizes:
+            calibrator.observe("p0", "d0", size, 0.001 + size / bandwidth)
+    assert calibrator.estimate("p0", "d0").bandwidth_bytes_per_second == pytest.approx(0.5e9, rel=0.05)
+
+
+def test_same_size_transfers_keep_the_prior_latency_and_solve_for_bandwidth():
+    calibrator = LinkCalibrator()
+    for _ in range(10):
+        calibrator.observe("p0", "d0", 10_000_000, 0.001 + 10_000_000 / 1e9)
+    estimate = calibrator.estimate("p0", "d0")
+    assert estimate.latency_seconds == pytest.approx(0.001)
+    assert estimate.bandwidth_bytes_per_second == pytest.approx(1e9)
+
+
+def test_calibrated_model_carries_fits_and_links_and_leaves_the_base_alone():
+    calibration = Calibration(CostModel(decode_step_seconds=0.03))
+    for new, cached, seconds in noisy_prefills(50, noise=0.0):
+        calibration.prefill.observe("prefill", new, cached, seconds)
+    calibration.links.observe("p0", "d0", 10_000_000, 0.011)
+    model = calibration.calibrated_model()
+    assert model.coefficients_for("prefill").per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
+    assert model.coefficients_for("decode") == cost.DEFAULT_PREFILL
+    assert model.link("p0", "d0").bandwidth_bytes_per_second == pytest.approx(1e9)
+    assert model.decode_step_seconds == 0.03
+    assert calibration.base.prefill_by_class == {} and calibration.base.links == {}
+    assert calibrated_model(replace(model), calibration.prefill, calibration.links) == model
