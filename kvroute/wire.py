@@ -198,6 +198,18 @@ class KVSnapshot(_Message, tag="kv_snapshot"):
     blocks: list[ResidentBlock]
 
 
+class ResetCacheRequest(_Message, tag="reset_cache"):
+    """Release every lease this worker holds, then empty its engine's prefix cache."""
+
+    request_id: str = ""
+
+
+class ResetCacheReply(_Message, tag="reset_cache_reply"):
+    request_id: str
+    reset: bool
+    released_leases: int = 0
+
+
 class RegisterReply(_Message, tag="register_reply"):
     """The orchestrator's answer to a heartbeat: is this worker in rotation?"""
 
@@ -231,6 +243,13 @@ class ReleaseLease(_Message, tag="release"):
 
 class ReleaseReply(_Message, tag="release_reply"):
     released: bool
+    count: int = 0
+
+
+class ReleaseAllLeases(_Message, tag="release_all"):
+    """Operator action: end every lease on this endpoint (e.g. before a cache reset)."""
+
+    reason: str = "reset"
 
 
 class TransferStatsRequest(_Message, tag="transfer_stats"):
@@ -253,6 +272,9 @@ Message = Union[
     RegisterReply,
     SnapshotRequest,
     KVSnapshot,
+    ResetCacheRequest,
+    ResetCacheReply,
+    ReleaseAllLeases,
     PullBlocks,
     PullHeader,
     ReleaseLease,

@@ -10,12 +10,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute import wire
 from kvroute.identity import Namespace
+from orchestrator.admin import reset_all_caches
+from orchestrator.auth import ApiKeys
+from orchestrator.index_sync import IndexSync
 from orchestrator.errors import APIError, error_body
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.service import CompletionService, Delta, Job, Outcome
@@ -32,10 +35,13 @@ class ApiContext:
     model_name: str
     max_model_len: int
     model_fingerprint: str
+    api_keys: ApiKeys
+    index_sync: IndexSync
     allow_policy_override: bool = False
 
-    def namespace(self, tenant: str = "anonymous", scope: str = "default") -> Namespace:
-        return Namespace(model_fingerprint=self.model_fingerprint, tenant=tenant, scope=scope)
+    def namespace(self, request: Request) -> Namespace:
+        principal = request.state.principal
+        return Namespace(model_fingerprint=self.model_fingerprint, tenant=principal.tenant, scope=principal.scope)
 
     def policy_for(self, request: Request) -> str | None:
         name = request.headers.get(POLICY_HEADER)
@@ -50,8 +56,12 @@ class ApiContext:
         return name
 
 
-def build_router(context: ApiContext) -> APIRouter:
-    router = APIRouter()
+def build_routers(context: ApiContext) -> list[APIRouter]:
+    """The public routes (health, metrics) and the routes that need an API key when keys are set."""
+    async def authenticate(request: Request) -> None:
+        request.state.principal = context.api_keys.authenticate(request.headers.get("authorization"))
+
+    public, router = APIRouter(), APIRouter(dependencies=[Depends(authenticate)])
     service, codec = context.service, context.service.codec
 
     @router.get("/v1/models")
@@ -59,7 +69,7 @@ def build_router(context: ApiContext) -> APIRouter:
         return {"object": "list", "data": [{"id": context.model_name, "object": "model",
                                             "created": 0, "owned_by": "kvroute"}]}
 
-    @router.get("/health")
+    @public.get("/health")
     async def health():
         fleet = service.fleet
         body = {"prefill_workers": len(fleet.live("prefill")), "decode_workers": len(fleet.live("decode"))}
@@ -72,10 +82,17 @@ def build_router(context: ApiContext) -> APIRouter:
         fleet = service.fleet
         return {"workers": [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
                              "rpc_address": w.rpc_address, "in_flight": fleet.in_flight(w.worker_id),
+                             "index_blocks": service.index.num_blocks(w.worker_id),
                              "load": msgspec.to_builtins(w.load)}
                             for role in ("prefill", "decode") for w in fleet.live(role)]}
 
-    @router.get("/metrics")
+    @router.post("/admin/reset-cache")
+    async def reset_cache():
+        results = await reset_all_caches(service.fleet, context.index_sync)
+        everywhere = all(r["reset"] for r in results)
+        return JSONResponse({"reset": everywhere, "workers": results}, status_code=200 if everywhere else 503)
+
+    @public.get("/metrics")
     async def metrics():
         for role in ("prefill", "decode"):
             service.metrics.workers.labels(role).set(len(service.fleet.live(role)))
@@ -110,7 +127,7 @@ def build_router(context: ApiContext) -> APIRouter:
         shape = TextShape(context.model_name)
         return await _respond(service, body, _jobs(body, prompts, context, request, shape), shape)
 
-    return router
+    return [public, router]
 
 
 def _check_request(body: _Sampling, context: ApiContext) -> None:
@@ -135,7 +152,7 @@ def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, reques
           shape: "ChatShape") -> list[Job]:
     response_id = shape.id_prefix + uuid.uuid4().hex
     policy = context.policy_for(request)
-    salt = context.namespace().cache_salt()
+    salt = context.namespace(request).cache_salt()
     jobs = [_job(body, prompt, context) for prompt in prompts]
     for index, job in enumerate(jobs):
         job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt

@@ -11,7 +11,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from kvroute.model_prep import model_fingerprint, resolve_model
-from orchestrator.api import ApiContext, build_router
+from orchestrator.api import ApiContext, build_routers
+from orchestrator.auth import ApiKeys
 from orchestrator.decisions import DecisionLog
 from orchestrator.errors import APIError, error_response, install_handlers
 from orchestrator.feedback import Feedback
@@ -41,7 +42,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
     service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
-                                settings.worker_timeout_seconds)
+                                settings.worker_timeout_seconds, settings.admission_wait_seconds)
     model_name = settings.served_model_name or Path(model_path).name
 
     @asynccontextmanager
@@ -61,8 +62,11 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     install_handlers(app)
     _limit_body_size(app, settings.max_request_bytes)
     _count_requests(app, service.metrics)
-    app.include_router(build_router(ApiContext(service, model_name, settings.max_model_len, fingerprint,
-                                               settings.allow_policy_override)))
+    api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()
+    context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
+                         settings.allow_policy_override)
+    for router in build_routers(context):
+        app.include_router(router)
     return app
 
 

@@ -13,6 +13,7 @@ closes the worker stream, which aborts the request on the workers and frees the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -67,15 +68,35 @@ class Outcome:
 class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
-                 worker_timeout: float):
+                 worker_timeout: float, admission_wait: float = 10.0):
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
         self.worker_timeout = worker_timeout
+        self.admission_wait = admission_wait
+        self._capacity_freed = asyncio.Event()
 
     # ------------------------------------------------------------ planning
 
-    def plan(self, job: Job) -> tuple[Decision, DecisionRecord]:
+    async def admit(self, job: Job) -> tuple[Decision, DecisionRecord]:
+        """Plan the job; while every worker is at its cap, wait for capacity a bounded time."""
+        deadline = time.monotonic() + self.admission_wait
+        while True:
+            decision, record = self.plan(job)
+            if decision.chosen is not None:
+                return decision, record
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.metrics.rejected.inc()
+                raise APIError(429, f"every worker is at capacity: {decision.reason}", code="overloaded",
+                               headers={"Retry-After": "2"})
+            self._capacity_freed.clear()
+            try:
+                await asyncio.wait_for(self._capacity_freed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def plan(self, job: Job) -> tuple[Decision, DecisionRecord | None]:
         block_size = self._block_size()
         matches = self.index.match(identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt))
         prefill, decode = self._views("prefill", matches), self._views("decode", matches)
@@ -86,9 +107,7 @@ class CompletionService:
         policy = self.policies[job.policy or self.default_policy]
         decision = policy.decide(request, prefill, decode, self.calibration.calibrated_model())
         if decision.chosen is None:
-            self.metrics.rejected.inc()
-            raise APIError(429, f"every worker is at capacity: {decision.reason}", code="overloaded",
-                           headers={"Retry-After": "2"})
+            return decision, None
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
                                               len(job.prompt_token_ids), block_size)
         self.decisions.add(record)
@@ -109,7 +128,7 @@ class CompletionService:
     # ------------------------------------------------------------ running
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncIterator[Delta]:
-        decision, record = self.plan(job)
+        decision, record = await self.admit(job)
         outcome.record = record
         plan = decision.chosen
         handoff = HandoffRecord(request_id=job.request_id)
@@ -163,6 +182,8 @@ class CompletionService:
         for worker_id in plan.workers:
             self.fleet.track(worker_id, delta)
         self.metrics.in_flight.inc(delta)
+        if delta < 0:
+            self._capacity_freed.set()
 
     def _complete(self, job: Job, plan: Plan, handoff: HandoffRecord, outcome: Outcome, record: DecisionRecord,
                   idle_at_start: bool) -> None:

@@ -90,6 +90,9 @@ class WorkerClient:
         """The worker's resident prefix-cache blocks and the KV-event seq they reflect."""
         return await self._call(wire.SnapshotRequest, wire.KVSnapshot, timeout)
 
+    async def reset_cache(self, timeout: float = 30.0) -> wire.ResetCacheReply:
+        return await self._call(wire.ResetCacheRequest, wire.ResetCacheReply, timeout)
+
     async def _call(self, request_type, reply_type, timeout: float):
         """One request, one reply, correlated by a fresh request id."""
         request_id = f"{request_type.__name__}-{uuid.uuid4().hex}"

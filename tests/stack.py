@@ -39,8 +39,8 @@ class Stack:
             time.sleep(1)
         raise RuntimeError(f"kvroute serve not healthy after {timeout:.0f} s")
 
-    def workers(self) -> list[dict]:
-        return httpx.get(self.url + "/admin/workers", timeout=5).json()["workers"]
+    def workers(self, headers: dict | None = None) -> list[dict]:
+        return httpx.get(self.url + "/admin/workers", timeout=5, headers=headers).json()["workers"]
 
     def stop(self, timeout: float = 60) -> int:
         """Ctrl-C, as a user would; returns the exit code."""

@@ -36,7 +36,7 @@ BUSY_DECODE = worker("d0", num_running=4)  # a LOCAL prefill here would stall fo
     (dict(num_waiting=1, num_queued_prefill_tokens=500), "p1"),  # short queue < recompute saved
     (dict(num_running=2, in_flight=3), "p1"),
     (dict(num_waiting=4, num_queued_prefill_tokens=3000), "p0"),  # queue longer than a cold prefill
-    (dict(in_flight=8), "p0"),  # at the concurrency cap
+    (dict(in_flight=PlannerSettings().max_in_flight), "p0"),  # at the concurrency cap
     (dict(num_queued_prefill_tokens=16_384), "p0"),  # at the queued-token cap
 ])
 def test_warm_worker_wins_only_while_its_queue_costs_less_than_the_recompute(warm_load, expected):
@@ -48,7 +48,7 @@ def test_warm_worker_wins_only_while_its_queue_costs_less_than_the_recompute(war
 
 
 def test_warm_worker_over_its_cap_is_reported_when_nothing_else_is_left():
-    decision = decide([worker("p1", cached_blocks=57, in_flight=8)], [worker("d0", num_free_blocks=0)])
+    decision = decide([worker("p1", cached_blocks=57, in_flight=PlannerSettings().max_in_flight)], [worker("d0", num_free_blocks=0)])
     assert decision.chosen is None
     reasons = {plan.infeasible_reason for plan in decision.alternatives}
     assert any("concurrency cap" in reason for reason in reasons)
@@ -138,14 +138,14 @@ def test_ties_are_broken_by_load_then_worker_id_whatever_the_input_order(seed, d
 
 
 def test_warm_workers_at_their_cap_do_not_crowd_out_the_next_best_match():
-    at_cap = [worker(f"p{i}", cached_blocks=57, in_flight=8) for i in range(4)]
+    at_cap = [worker(f"p{i}", cached_blocks=57, in_flight=PlannerSettings().max_in_flight) for i in range(4)]
     cold = [worker(f"p{i}") for i in range(5, 100)]
     decision = decide(at_cap + cold + [worker("p4", cached_blocks=50)], [BUSY_DECODE])
     assert decision.chosen.prefill_worker == "p4"
 
 
 def test_every_alternative_carries_an_estimate():
-    decision = decide([worker("p0"), worker("p1", cached_blocks=20, in_flight=8)],
+    decision = decide([worker("p0"), worker("p1", cached_blocks=20, in_flight=PlannerSettings().max_in_flight)],
                       [worker("d0"), worker("d1", num_free_blocks=0)])
     assert len(decision.alternatives) == 2 + 2 * 2
     for plan in decision.alternatives:

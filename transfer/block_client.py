@@ -97,6 +97,19 @@ def release_lease(context: zmq.Context, address: str, handle: str, reason: str,
         channel.close()
 
 
+def release_all_leases(context: zmq.Context, address: str, reason: str = "reset", timeout: float = 2.0) -> int:
+    """End every lease on one endpoint; returns how many were held."""
+    channel = _Channel(context, address, time.monotonic() + timeout)
+    try:
+        channel.send(wire.ReleaseAllLeases(reason=reason))
+        reply = channel.receive_message()
+        if not isinstance(reply, wire.ReleaseReply):
+            raise PullFailed(f"unexpected reply {type(reply).__name__}")
+        return reply.count
+    finally:
+        channel.close()
+
+
 def fetch_transfer_stats(context: zmq.Context, address: str, timeout: float = 2.0) -> wire.TransferStatsReply:
     channel = _Channel(context, address, time.monotonic() + timeout)
     try:

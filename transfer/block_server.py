@@ -97,6 +97,10 @@ class BlockServer:
             if released:
                 logger.debug("lease released (%s)", message.reason)
             self._reply(identity, wire.ReleaseReply(released=released))
+        elif isinstance(message, wire.ReleaseAllLeases):
+            count = self.leases.release_all()
+            logger.info("released all %d leases (%s)", count, message.reason)
+            self._reply(identity, wire.ReleaseReply(released=count > 0, count=count))
         elif isinstance(message, wire.TransferStatsRequest):
             self._reply(identity, wire.TransferStatsReply(counters=self.snapshot(), layout=self.cache.spec))
         else:

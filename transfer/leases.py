@@ -56,6 +56,11 @@ class LeaseTable:
             self.num_released += 1
             return True
 
+    def release_all(self) -> int:
+        with self._lock:
+            handles = list(self._leases)
+        return sum(self.release(handle) for handle in handles)
+
     def expire(self, now: float) -> list[Lease]:
         with self._lock:
             expired = [lease for lease in self._leases.values() if lease.expires_at <= now]

@@ -26,9 +26,10 @@ from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
 from kvroute.netutil import tcp
-from transfer.block_client import PullFailed, fetch_transfer_stats
+from transfer.block_client import PullFailed, fetch_transfer_stats, release_all_leases
 
 logger = logging.getLogger("kvroute.worker")
+RESET_ATTEMPTS = 50  # running requests hold blocks too; a reset waits up to ~5 s for them
 
 
 class Worker:
@@ -52,7 +53,7 @@ class Worker:
                                                 KV_EVENTS_TOPIC))]
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
-                                    self.worker_stats, self.snapshot)
+                                    self.worker_stats, self.snapshot, self.reset_cache)
             tasks += [asyncio.create_task(self.server.serve()),
                      asyncio.create_task(HeartbeatSender(self.settings.orchestrators, self.heartbeat)
                                          .run(self.settings.heartbeat_seconds))]
@@ -95,6 +96,17 @@ class Worker:
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)
+
+    async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
+        """Release leases, then reset the prefix cache once vLLM has freed their blocks."""
+        released = await asyncio.to_thread(release_all_leases, zmq.Context.instance(),
+                                           self.settings.transfer_address)
+        for _ in range(RESET_ATTEMPTS):
+            if await self.engine.reset_prefix_cache():
+                logger.info("prefix cache reset (%d leases released)", released)
+                return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released)
+            await asyncio.sleep(0.1)  # freed blocks return to the pool on the engine's next step
+        return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released)
 
     async def worker_stats(self) -> wire.WorkerStats:
         transfer = await self._transfer_stats()

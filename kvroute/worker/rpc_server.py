@@ -22,15 +22,18 @@ logger = logging.getLogger("kvroute.worker.rpc")
 
 StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
 SnapshotProvider = Callable[[str], wire.KVSnapshot]
+ResetHandler = Callable[[str], Awaitable[wire.ResetCacheReply]]
 
 
 class RpcServer:
     """Owns the socket and the table of running generate tasks."""
 
-    def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider):
+    def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider,
+                 reset_cache: ResetHandler):
         self.engine = engine
         self._stats = stats
         self._snapshot = snapshot
+        self._reset_cache = reset_cache
         self._context = async_context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -77,6 +80,8 @@ class RpcServer:
             await self._send(identity, reply)
         elif isinstance(message, wire.SnapshotRequest):
             await self._send(identity, self._snapshot(message.request_id))
+        elif isinstance(message, wire.ResetCacheRequest):
+            await self._send(identity, await self._reset_cache(message.request_id))
         else:
             await self._send(identity, wire.ErrorReply(
                 request_id=None, code="bad_request", message=f"unexpected {type(message).__name__}"))

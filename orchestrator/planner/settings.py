@@ -13,9 +13,9 @@ class PlannerSettings:
     # Candidates kept per pool and per ranking (prefix match, load); the planner weighs
     # at most 2k prefill x 2k decode pairs, so its cost stays flat as the fleet grows.
     top_k: int = 4
-    # Hotspot caps: a warm cache must not attract every request. Eight concurrent
-    # requests keep a CPU worker's decode step near its measured 15-25 ms.
-    max_in_flight: int = 8
+    # Hotspot caps: a warm cache must not attract every request. vLLM batches decodes,
+    # so a worker takes this many concurrent requests before the cap turns it away.
+    max_in_flight: int = 32
     # ~16 cold 1k-token prompts (~6 s of prefill on CPU) queued is already past any TTFT target.
     max_queued_prefill_tokens: int = 16_384
     # Output length assumed when the request does not say (max_tokens unset); it sizes

@@ -1,0 +1,32 @@
+"""Operator actions across the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.fleet import Fleet
+from orchestrator.index_sync import IndexSync
+from orchestrator.worker_client import WorkerError
+
+
+async def reset_all_caches(fleet: Fleet, index_sync: IndexSync) -> list[dict]:
+    """Release every held lease, empty every worker's prefix cache, then reload the index.
+
+    For fair side-by-side policy experiments on one running cluster: each run starts cold.
+    """
+    workers = [w for role in ("prefill", "decode") for w in fleet.live(role)]
+    results = await asyncio.gather(*(_reset(fleet, w.worker_id) for w in workers))
+    for worker in workers:
+        index_sync.request_resync(worker.worker_id)
+    return results
+
+
+async def _reset(fleet: Fleet, worker_id: str) -> dict:
+    client = fleet.client(worker_id)
+    if client is None:
+        return {"worker_id": worker_id, "reset": False, "error": "worker went away"}
+    try:
+        reply = await client.reset_cache()
+    except WorkerError as error:
+        return {"worker_id": worker_id, "reset": False, "error": str(error)}
+    return {"worker_id": worker_id, "reset": reply.reset, "released_leases": reply.released_leases}

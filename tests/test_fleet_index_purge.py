@@ -1,0 +1,79 @@
+"""A worker that restarts (new incarnation id under the same worker id) or goes silent
+loses its index entries at once: no request is planned against a cache that is gone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+
+from kvroute import identity, kv_events, wire
+from kvroute.netutil import async_context, free_port
+from orchestrator.fleet import Fleet
+from orchestrator.index import PrefixIndex
+from orchestrator.index_sync import IndexSync
+from orchestrator.registry import WorkerRegistry
+
+FINGERPRINT = "f" * 16
+BLOCK = 4
+TOKENS = list(range(1, 13))  # three full blocks
+
+
+def heartbeat(incarnation: str) -> wire.Heartbeat:
+    return wire.Heartbeat(worker_id="prefill-0", role="prefill", incarnation=incarnation,
+                          rpc_address="tcp://127.0.0.1:1", load=wire.WorkerLoad(block_size=BLOCK),
+                          sent_at=0.0, model_fingerprint=FINGERPRINT)
+
+
+def stored_event() -> kv_events.BlockStored:
+    return kv_events.BlockStored(block_hashes=[11, 12, 13], parent_block_hash=None, token_ids=TOKENS,
+                                 block_size=BLOCK, extra_keys=[("salt-a",), None, None])
+
+
+async def send(socket, beat: wire.Heartbeat) -> wire.RegisterReply:
+    await socket.send(wire.encode(beat))
+    return wire.decode(await asyncio.wait_for(socket.recv(), 5))
+
+
+async def test_new_incarnation_and_silence_purge_index_entries():
+    index = PrefixIndex()
+    port = free_port()
+    fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=0.5), f"tcp://127.0.0.1:{port}", "test")
+    fleet.listeners.append(IndexSync(index))
+    await fleet.start()
+    worker = async_context().socket(zmq.DEALER)
+    worker.connect(f"tcp://127.0.0.1:{port}")
+    prompt_hashes = identity.block_hashes(TOKENS, BLOCK, "salt-a")
+    try:
+        assert (await send(worker, heartbeat("first"))).accepted
+        index.reset_worker("prefill-0", "first")
+        index.apply("prefill-0", stored_event())
+        assert index.match(prompt_hashes) == {"prefill-0": 3}
+
+        assert (await send(worker, heartbeat("second"))).accepted  # restarted on the same address
+        assert index.match(prompt_hashes) == {} and index.num_blocks("prefill-0") == 0
+
+        index.reset_worker("prefill-0", "second")
+        index.apply("prefill-0", stored_event())
+        await asyncio.sleep(1.5)  # silent past the heartbeat timeout: marked down
+        assert fleet.live("prefill") == []
+        assert index.match(prompt_hashes) == {}
+    finally:
+        worker.close(linger=0)
+        await fleet.stop()
+
+
+async def test_refused_worker_is_never_indexed():
+    fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=5), f"tcp://127.0.0.1:{free_port()}", "test")
+    await fleet.start()
+    worker = async_context().socket(zmq.DEALER)
+    worker.connect(fleet._bind_address)
+    try:
+        beat = heartbeat("x")
+        beat.model_fingerprint = "0" * 16
+        reply = await send(worker, beat)
+        assert not reply.accepted and "fingerprint" in reply.reason
+        assert fleet.live("prefill") == []
+    finally:
+        worker.close(linger=0)
+        await fleet.stop()
