@@ -47,15 +47,21 @@ def chain_seed(cache_salt: str | None) -> BlockHash:
 
 
 def next_block_hash(parent: BlockHash, block_token_ids) -> BlockHash:
-    payload = parent.to_bytes(16, "little") + array("I", block_token_ids).tobytes()
-    return xxhash.xxh3_128_intdigest(payload)
+    return _chain(parent, array("I", block_token_ids).tobytes())
+
+
+def _chain(parent: BlockHash, block_bytes: bytes) -> BlockHash:
+    return xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + block_bytes)
 
 
 def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids`` (a partial tail has none)."""
+    # One conversion of the whole prompt, then byte slices: converting per block dominated.
+    encoded = array("I", token_ids).tobytes()
+    stride = 4 * block_size
     hashes: list[BlockHash] = []
     parent = chain_seed(cache_salt)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = next_block_hash(parent, token_ids[start:start + block_size])
+    for start in range(0, len(encoded) - stride + 1, stride):
+        parent = _chain(parent, encoded[start:start + stride])
         hashes.append(parent)
     return hashes

@@ -6,8 +6,8 @@ our hash; a stored block's hash is derived from its parent's (or, for a first bl
 from the cache salt in its extra keys) and its tokens. A worker's entries live under
 its incarnation id; a new incarnation or a dead worker purges them all.
 
-Longest-prefix match walks the prompt's block hashes once, narrowing the set of
-workers that still match: O(prompt blocks × matching workers).
+Owners of a block are a bitmask over worker slots, so longest-prefix match walks the
+prompt's block hashes once with one integer AND per block: O(prompt blocks).
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 from kvroute import identity, kv_events
 
 
-_NOBODY: frozenset[str] = frozenset()
-
-
 @dataclass
 class _WorkerEntries:
     incarnation: str
+    bit: int
     ours: dict[kv_events.EngineHash, identity.BlockHash] = field(default_factory=dict)
     orphans: int = 0  # stored blocks whose parent we never saw (skipped, counted)
 
@@ -32,22 +30,26 @@ class PrefixIndex:
     """Single writer: the index-sync task of the orchestrator."""
 
     def __init__(self):
-        self._owners: dict[identity.BlockHash, set[str]] = {}
+        self._owners: dict[identity.BlockHash, int] = {}  # block → bitmask of worker slots
         self._workers: dict[str, _WorkerEntries] = {}
+        self._slot_owner: dict[int, str] = {}  # bit → worker id
 
     # ------------------------------------------------------------ writes
 
     def reset_worker(self, worker_id: str, incarnation: str) -> None:
         """Forget everything about ``worker_id`` and start its entries afresh."""
         self.purge(worker_id)
-        self._workers[worker_id] = _WorkerEntries(incarnation)
+        bit = next(b for b in range(len(self._slot_owner) + 1) if b not in self._slot_owner)
+        self._slot_owner[bit] = worker_id
+        self._workers[worker_id] = _WorkerEntries(incarnation, bit)
 
     def purge(self, worker_id: str) -> None:
         entries = self._workers.pop(worker_id, None)
         if entries is None:
             return
         for ours in entries.ours.values():
-            self._disown(ours, worker_id)
+            self._disown(ours, entries.bit)
+        del self._slot_owner[entries.bit]
 
     def apply(self, worker_id: str, event: kv_events.KVEvent) -> None:
         entries = self._workers[worker_id]
@@ -58,7 +60,7 @@ class PrefixIndex:
             for engine_hash in event.block_hashes:
                 ours = entries.ours.pop(engine_hash, None)
                 if ours is not None:
-                    self._disown(ours, worker_id)
+                    self._disown(ours, entries.bit)
         else:
             self.reset_worker(worker_id, entries.incarnation)
 
@@ -88,14 +90,14 @@ class PrefixIndex:
             return
         ours = identity.next_block_hash(parent, record.token_ids)
         entries.ours[record.engine_hash] = ours
-        self._owners.setdefault(ours, set()).add(worker_id)
+        self._owners[ours] = self._owners.get(ours, 0) | (1 << entries.bit)
 
-    def _disown(self, ours: identity.BlockHash, worker_id: str) -> None:
-        owners = self._owners.get(ours)
-        if owners is not None:
-            owners.discard(worker_id)
-            if not owners:
-                del self._owners[ours]
+    def _disown(self, ours: identity.BlockHash, bit: int) -> None:
+        owners = self._owners.get(ours, 0) & ~(1 << bit)
+        if owners:
+            self._owners[ours] = owners
+        else:
+            self._owners.pop(ours, None)
 
     # ------------------------------------------------------------ reads
 
@@ -110,15 +112,19 @@ class PrefixIndex:
     def match(self, block_hashes: list[identity.BlockHash]) -> dict[str, int]:
         """Per worker with at least one match: how many leading blocks it holds."""
         matched: dict[str, int] = {}
-        active: set[str] = set()
+        active = 0
         for position, block_hash in enumerate(block_hashes):
-            owners = self._owners.get(block_hash, _NOBODY)
-            still = set(owners) if position == 0 else active & owners
-            for worker in active - still:
-                matched[worker] = position
+            owners = self._owners.get(block_hash, 0)
+            still = owners if position == 0 else active & owners
+            self._record(active & ~still, position, matched)
             active = still
             if not active:
                 return matched
-        for worker in active:
-            matched[worker] = len(block_hashes)
+        self._record(active, len(block_hashes), matched)
         return matched
+
+    def _record(self, bits: int, length: int, matched: dict[str, int]) -> None:
+        while bits:
+            lowest = bits & -bits
+            matched[self._slot_owner[lowest.bit_length() - 1]] = length
+            bits ^= lowest

@@ -293,7 +293,7 @@ def rss_bytes() -> int:
 
 def index_shape(index: PrefixIndex) -> dict:
     owners = index._owners
-    sizes = np.fromiter((len(s) for s in owners.values()), dtype=np.int64, count=len(owners))
+    sizes = np.fromiter((mask.bit_count() for mask in owners.values()), dtype=np.int64, count=len(owners))
     entries = sum(len(e.ours) for e in index._workers.values())
     return {"block_entries": entries, "distinct_block_hashes": len(owners),
             "owners_per_hash_mean": float(sizes.mean()) if len(sizes) else 0.0,
