@@ -110,6 +110,16 @@ class TokenLogprobs(msgspec.Struct, forbid_unknown_fields=False):
     logprobs: list[float]
 
 
+class PullRecord(msgspec.Struct, forbid_unknown_fields=False):
+    """One finished pull on a consumer: what crossed the wire and how long it took."""
+
+    request_id: str  # vLLM's internal id: kvroute's request id plus a suffix
+    source: str
+    num_bytes: int
+    seconds: float
+    ok: bool
+
+
 class GenerateChunk(_Message, tag="chunk"):
     request_id: str
     token_ids: list[int]
@@ -119,6 +129,8 @@ class GenerateChunk(_Message, tag="chunk"):
     num_cached_tokens: int = 0
     pull_source: PullSource | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # Consumer, first chunk only: the pull that brought this request's prompt blocks.
+    transfer: PullRecord | None = None
 
 
 class ErrorReply(_Message, tag="error"):
@@ -256,6 +268,14 @@ class TransferStatsRequest(_Message, tag="transfer_stats"):
     pass
 
 
+class PullRecordsRequest(_Message, tag="pull_records"):
+    request_id: str  # kvroute's id; matches vLLM's suffixed internal ids
+
+
+class PullRecordsReply(_Message, tag="pull_records_reply"):
+    records: list[PullRecord]
+
+
 class TransferStatsReply(_Message, tag="transfer_stats_reply"):
     counters: TransferCounters
     layout: KVLayoutSpec | None = None
@@ -281,6 +301,8 @@ Message = Union[
     ReleaseReply,
     TransferStatsRequest,
     TransferStatsReply,
+    PullRecordsRequest,
+    PullRecordsReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

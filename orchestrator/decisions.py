@@ -38,6 +38,8 @@ class Actual:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    transfer_bytes: int | None = None
+    transfer_seconds: float | None = None
 
 
 @dataclass

@@ -44,6 +44,7 @@ class HandoffRecord:
     second_token_at: float | None = None
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    transfer: wire.PullRecord | None = None  # as the decode worker's connector measured it
 
 
 def first_token_ends(chunk: wire.GenerateChunk, sampling: wire.SamplingSpec) -> bool:
@@ -122,6 +123,8 @@ def _observe(record: HandoffRecord, chunk: wire.GenerateChunk) -> None:
         elif record.second_token_at is None:
             record.second_token_at = now
     record.token_ids.extend(chunk.token_ids)
+    if chunk.transfer is not None:
+        record.transfer = chunk.transfer
     if chunk.finished:
         record.finish_reason = chunk.finish_reason
 

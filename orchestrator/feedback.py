@@ -3,6 +3,7 @@
 A predicted hit that did not happen means the index was stale for that worker, so the
 worker's entries are reloaded from its snapshot. Prefill timings are taken only from
 requests that found their workers idle, where TTFT is (almost) pure prefill time.
+Link estimates come from the pulls the decode workers' connectors timed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Feedback:
                            record.predicted_reused_tokens, prefilling, record.actual.reused_tokens)
             self.index_sync.request_resync(prefilling)
         actual = record.actual
+        if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
+            self.calibration.links.observe(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
+                                           actual.transfer_seconds)
+            self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
+                                          actual.transfer_seconds)
         if idle_at_start and actual.ttft is not None and actual.reused_tokens is not None:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens

@@ -45,6 +45,10 @@ class Metrics:
                                             "requests that reused fewer tokens than the index predicted",
                                             ["worker"], registry=r)
         self.index_blocks = Gauge("kvroute_index_blocks", "blocks indexed per worker", ["worker"], registry=r)
+        self.transfer_bytes = Counter("kvroute_transfer_bytes", "KV bytes pulled, per link",
+                                      ["source", "destination"], registry=r)
+        self.transfer_seconds = Histogram("kvroute_transfer_seconds", "time of one KV pull, per link",
+                                          ["source", "destination"], buckets=LATENCY_BUCKETS, registry=r)
         self.workers = Gauge("kvroute_workers", "live workers by role", ["role"], registry=r)
         self.worker_failures = Counter("kvroute_worker_failures", "requests failed by a worker error",
                                        ["role"], registry=r)
@@ -62,6 +66,10 @@ class Metrics:
         self.cached_tokens.labels(prefilling).inc(handoff.prefill_cached_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
+
+    def observe_transfer(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(source, destination).inc(num_bytes)
+        self.transfer_seconds.labels(source, destination).observe(seconds)
 
     def _observe_latencies(self, job, handoff, policy: str, kind: str) -> None:
         if handoff.first_token_at is None:

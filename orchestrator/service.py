@@ -195,6 +195,8 @@ class CompletionService:
             actual.e2e = time.perf_counter() - job.arrived_at
         if handoff.second_token_at is not None:
             actual.second_token_gap = handoff.second_token_at - handoff.first_token_at
+        if handoff.transfer is not None and handoff.transfer.ok:
+            actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
         self.metrics.observe_request(job, plan, handoff, record)
         self.feedback.observe(plan, record, idle_at_start)
         self.decisions.finish(record)

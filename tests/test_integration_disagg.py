@@ -87,6 +87,9 @@ def _assert_loaded_not_recomputed(record, before, after) -> None:
     prompt_tokens = record.pull_source.num_tokens
     assert blocks_moved == math.ceil(prompt_tokens / block_size) - local_hit // block_size
     assert bytes_moved == blocks_moved * bytes_per_block
+    # The decode worker reports this request's own pull, as its connector timed it.
+    assert record.transfer is not None and record.transfer.ok
+    assert record.transfer.num_bytes == bytes_moved and record.transfer.seconds > 0
     assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
     # vLLM's own accounting: every prompt token not found locally came from the transfer.
     assert external == prompt_tokens - local_hit

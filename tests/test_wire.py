@@ -52,7 +52,8 @@ GENERATE_REQUEST_HEX = (
 
 GENERATE_CHUNK = wire.GenerateChunk(request_id="r1", token_ids=[5, 6], finished=True, finish_reason="length",
                                     num_prompt_tokens=3, num_cached_tokens=2)
-GENERATE_CHUNK_HEX = (
+# Before ``transfer`` was appended: such payloads must still decode (append-only rule).
+GENERATE_CHUNK_V1_HEX = (
     "89"
     "a474797065" "a56368756e6b"  # type: "chunk"
     "aa726571756573745f6964" "a27231"  # request_id: "r1"
@@ -63,6 +64,10 @@ GENERATE_CHUNK_HEX = (
     "b16e756d5f6361636865645f746f6b656e73" "02"  # num_cached_tokens: 2
     "ab70756c6c5f736f75726365" "c0"  # pull_source: nil
     "a86c6f6770726f6273" "c0"  # logprobs: nil
+)
+GENERATE_CHUNK_HEX = (
+    "8a" + GENERATE_CHUNK_V1_HEX[2:]
+    + "a87472616e73666572" "c0"  # transfer: nil
 )
 
 HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
@@ -133,6 +138,10 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
     decoded = wire.decode(bytes.fromhex(golden_hex))
     assert type(decoded) is type(message)
     assert decoded == message
+
+
+def test_payload_from_before_an_appended_field_still_decodes():
+    assert wire.decode(bytes.fromhex(GENERATE_CHUNK_V1_HEX)) == GENERATE_CHUNK
 
 
 @pytest.mark.parametrize("message, golden_hex", GOLDEN)

@@ -110,6 +110,19 @@ def release_all_leases(context: zmq.Context, address: str, reason: str = "reset"
         channel.close()
 
 
+def fetch_pull_records(context: zmq.Context, address: str, request_id: str,
+                       timeout: float = 2.0) -> list[wire.PullRecord]:
+    channel = _Channel(context, address, time.monotonic() + timeout)
+    try:
+        channel.send(wire.PullRecordsRequest(request_id=request_id))
+        reply = channel.receive_message()
+        if not isinstance(reply, wire.PullRecordsReply):
+            raise PullFailed(f"unexpected reply {type(reply).__name__}")
+        return reply.records
+    finally:
+        channel.close()
+
+
 def fetch_transfer_stats(context: zmq.Context, address: str, timeout: float = 2.0) -> wire.TransferStatsReply:
     channel = _Channel(context, address, time.monotonic() + timeout)
     try:

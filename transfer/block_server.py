@@ -6,6 +6,7 @@ reads. Protocol over one ROUTER socket (client: a DEALER)::
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
     ReleaseLease ──▶ ReleaseReply
     TransferStatsRequest ──▶ TransferStatsReply
+    PullRecordsRequest ──▶ PullRecordsReply (this engine's recent pulls for a request)
     anything else ──▶ ErrorReply, and the server stays up
 
 A pull may arrive before the engine has granted its lease (grants reach this process
@@ -26,6 +27,7 @@ from kvroute import wire
 from transfer.counters import Counters
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.leases import LeaseTable
+from transfer.pull_records import PullRecords
 from transfer.send_buffers import SendBufferPool, send_frame
 
 logger = logging.getLogger("kvroute.transfer.server")
@@ -44,8 +46,9 @@ class BlockServer:
     POLL_MS = 5
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
-                 counters: Counters, park_seconds: float = 5.0):
+                 counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None):
         self.cache = cache
+        self.pull_records = pull_records or PullRecords()
         self.leases = leases
         self.counters = counters
         self.park_seconds = park_seconds
@@ -101,6 +104,8 @@ class BlockServer:
             count = self.leases.release_all()
             logger.info("released all %d leases (%s)", count, message.reason)
             self._reply(identity, wire.ReleaseReply(released=count > 0, count=count))
+        elif isinstance(message, wire.PullRecordsRequest):
+            self._reply(identity, wire.PullRecordsReply(records=self.pull_records.matching(message.request_id)))
         elif isinstance(message, wire.TransferStatsRequest):
             self._reply(identity, wire.TransferStatsReply(counters=self.snapshot(), layout=self.cache.spec))
         else:

@@ -17,12 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
+from kvroute.wire import PullRecord
 from transfer.block_client import PullFailed, pull_blocks, release_lease
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.pull_records import PullRecords
 from transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("kvroute.transfer.worker")
@@ -38,6 +40,7 @@ class ConnectorWorker:
         self.block_size = block_size
         self.leases = LeaseTable()
         self.counters = Counters()
+        self.pull_records = PullRecords()
         self.cache: PagedKVCache | None = None
         self.server: BlockServer | None = None
         self._context = zmq.Context.instance()
@@ -49,7 +52,7 @@ class ConnectorWorker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
-                                  self.counters, self.settings.park_seconds)
+                                  self.counters, self.settings.park_seconds, self.pull_records)
         self.server.start()
         logger.info("kvroute transfer endpoint on %s (layout %s)", self.settings.transfer_bind, self.cache.spec)
 
@@ -75,15 +78,22 @@ class ConnectorWorker:
         return finished_sending, finished | failed, failed
 
     def _pull(self, load: LoadSpec) -> None:
+        started = time.perf_counter()
         try:
             nbytes = self._pull_into_cache(load)
+            self._record(load, nbytes, started, ok=True)
             self.counters.add(bytes_received=nbytes, blocks_received=len(load.local_block_ids), pulls_ok=1)
             release_lease(self._context, load.source.address, load.source.handle, "ack")
             self._finish(load.request_id, failed=False)
         except Exception as error:  # any failure falls back to recompute, never a lost request
             logger.warning("pull for request %s failed (%s); recomputing locally", load.request_id, error)
+            self._record(load, 0, started, ok=False)
             self.counters.add(pulls_failed=1)
             self._finish(load.request_id, failed=True)
+
+    def _record(self, load: LoadSpec, nbytes: int, started: float, ok: bool) -> None:
+        self.pull_records.add(PullRecord(request_id=load.request_id, source=load.source.address,
+                                         num_bytes=nbytes, seconds=time.perf_counter() - started, ok=ok))
 
     def _pull_into_cache(self, load: LoadSpec) -> int:
         assert self.cache is not None, "KV caches were never registered"

@@ -26,7 +26,7 @@ from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
 from kvroute.netutil import tcp
-from transfer.block_client import PullFailed, fetch_transfer_stats, release_all_leases
+from transfer.block_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
 
 logger = logging.getLogger("kvroute.worker")
 RESET_ATTEMPTS = 50  # running requests hold blocks too; a reset waits up to ~5 s for them
@@ -53,7 +53,7 @@ class Worker:
                                                 KV_EVENTS_TOPIC))]
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
-                                    self.worker_stats, self.snapshot, self.reset_cache)
+                                    self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
             tasks += [asyncio.create_task(self.server.serve()),
                      asyncio.create_task(HeartbeatSender(self.settings.orchestrators, self.heartbeat)
                                          .run(self.settings.heartbeat_seconds))]
@@ -96,6 +96,15 @@ class Worker:
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)
+
+    async def transfer_of(self, request_id: str) -> wire.PullRecord | None:
+        """The pull that brought ``request_id``'s prompt blocks, as the connector recorded it."""
+        try:
+            records = await asyncio.to_thread(fetch_pull_records, zmq.Context.instance(),
+                                              self.settings.transfer_address, request_id)
+        except PullFailed:
+            return None
+        return records[-1] if records else None
 
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
         """Release leases, then reset the prefix cache once vLLM has freed their blocks."""

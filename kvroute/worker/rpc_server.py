@@ -23,17 +23,19 @@ logger = logging.getLogger("kvroute.worker.rpc")
 StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
 SnapshotProvider = Callable[[str], wire.KVSnapshot]
 ResetHandler = Callable[[str], Awaitable[wire.ResetCacheReply]]
+TransferLookup = Callable[[str], Awaitable[wire.PullRecord | None]]
 
 
 class RpcServer:
     """Owns the socket and the table of running generate tasks."""
 
     def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider,
-                 reset_cache: ResetHandler):
+                 reset_cache: ResetHandler, transfer_of: TransferLookup):
         self.engine = engine
         self._stats = stats
         self._snapshot = snapshot
         self._reset_cache = reset_cache
+        self._transfer_of = transfer_of
         self._context = async_context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -108,9 +110,14 @@ class RpcServer:
         self.prompt_tokens_waiting[request_id] = len(request.prompt_token_ids)
         try:
             stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
+            first = True
             async for output in stream:
                 self.prompt_tokens_waiting.pop(request_id, None)
-                await self._send(identity, to_chunk(request_id, output))
+                chunk = to_chunk(request_id, output)
+                if first and request.pull_from is not None:
+                    chunk.transfer = await self._transfer_of(request_id)
+                first = False
+                await self._send(identity, chunk)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # an engine error fails this request, not the worker
