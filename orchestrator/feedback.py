@@ -34,11 +34,11 @@ class Feedback:
             self.index_sync.request_resync(prefilling)
         actual = record.actual
         if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
-            self.calibration.links.observe(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
+            self.calibration.observe_link(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
                                            actual.transfer_seconds)
             self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
                                           actual.transfer_seconds)
         if idle_at_start and actual.ttft is not None and actual.reused_tokens is not None:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens
-            self.calibration.prefill.observe(role, new_tokens, actual.reused_tokens, actual.ttft)
+            self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft)

@@ -68,7 +68,9 @@ class Fleet:
         return bool(self.live("prefill")) and bool(self.live("decode"))
 
     def track(self, worker_id: str, delta: int) -> None:
-        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + delta
+        # Requests started before a worker was dropped and re-registered still finish
+        # against it; never let them drive the count below zero.
+        self._in_flight[worker_id] = max(0, self._in_flight.get(worker_id, 0) + delta)
 
     # ------------------------------------------------------------ the shell
 

@@ -105,7 +105,7 @@ class CompletionService:
                                 f"worker", code="no_worker", headers={"Retry-After": "5"})
         request = RequestView(job.request_id, len(job.prompt_token_ids), job.sampling.max_tokens, block_size)
         policy = self.policies[job.policy or self.default_policy]
-        decision = policy.decide(request, prefill, decode, self.calibration.calibrated_model())
+        decision = policy.decide(request, prefill, decode, self.calibration.calibrated_model(time.monotonic()))
         if decision.chosen is None:
             return decision, None
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,

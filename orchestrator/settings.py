@@ -27,7 +27,7 @@ class OrchestratorSettings:
     top_k: int = setting(4, "candidates kept per pool and ranking before plans are enumerated")
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
-    heartbeat_timeout_seconds: float = setting(5.0, "a worker silent for this long is marked down")
+    heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
     worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker")
     admission_wait_seconds: float = setting(10.0, "when every worker is at its cap, wait this long for "
                                                   "capacity before answering 429")

@@ -46,8 +46,12 @@ class WorkerClient:
         self._receiver = asyncio.create_task(self._receive_loop())
 
     async def close(self) -> None:
+        """Stop receiving; every request still waiting on this worker fails at once."""
         self._receiver.cancel()
         await asyncio.gather(self._receiver, return_exceptions=True)
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(wire.ErrorReply(request_id=request_id, code="worker_down",
+                                             message=f"{self.address} was marked down"))
         self._socket.close(linger=0)
 
     async def _receive_loop(self) -> None:
@@ -81,7 +85,8 @@ class WorkerClient:
                 await self.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self._send(wire.AbortRequest(request_id=request_id))
+        if not self._socket.closed:  # a closed client's worker is gone or replaced
+            await self._send(wire.AbortRequest(request_id=request_id))
 
     async def stats(self, timeout: float = 5.0) -> wire.WorkerStats:
         return await self._call(wire.StatsRequest, wire.WorkerStats, timeout)

@@ -179,8 +179,8 @@ def test_same_size_transfers_keep_the_prior_latency_and_solve_for_bandwidth():
 def test_calibrated_model_carries_fits_and_links_and_leaves_the_base_alone():
     calibration = Calibration(CostModel(decode_step_seconds=0.03))
     for new, cached, seconds in noisy_prefills(50, noise=0.0):
-        calibration.prefill.observe("prefill", new, cached, seconds)
-    calibration.links.observe("p0", "d0", 10_000_000, 0.011)
+        calibration.observe_prefill("prefill", new, cached, seconds)
+    calibration.observe_link("p0", "d0", 10_000_000, 0.011)
     model = calibration.calibrated_model()
     assert model.coefficients_for("prefill").per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
     assert model.coefficients_for("decode") == cost.DEFAULT_PREFILL

@@ -152,7 +152,7 @@ def test_missing_body(client):
 
 def test_api_error_keeps_status_headers_and_body(client):
     response = client.get("/busy")
-    error = assert_openai_shape(response, 503)
+    assert_openai_shape(response, 503)
     assert response.headers["retry-after"] == "5"
     assert response.json() == {"error": {"message": "cannot serve right now: no live decode worker",
                                          "type": "service_unavailable", "param": None, "code": "no_worker"}}

@@ -77,3 +77,22 @@ async def test_refused_worker_is_never_indexed():
     finally:
         worker.close(linger=0)
         await fleet.stop()
+
+
+async def test_requests_waiting_on_a_closed_client_fail_at_once():
+    from orchestrator.worker_client import WorkerClient, WorkerError
+
+    client = WorkerClient(f"tcp://127.0.0.1:{free_port()}")  # nobody answers there
+    request = wire.GenerateRequest(request_id="stranded", prompt_token_ids=[1, 2, 3])
+
+    async def consume():
+        return [chunk async for chunk in client.generate(request, timeout=60)]
+
+    pending = asyncio.create_task(consume())
+    await asyncio.sleep(0.2)
+    await client.close()
+    try:
+        await asyncio.wait_for(pending, 2)
+        raise AssertionError("the stranded request should have failed")
+    except WorkerError as error:
+        assert error.code == "worker_down"

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from orchestrator.worker_client import WorkerClient
-from tests.stack import Stack
+from kvroute.bench.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096"]

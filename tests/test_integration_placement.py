@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvroute.model_prep import default_cache_dir
-from tests.stack import Stack
+from kvroute.bench.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"sk-tenant-a": {"tenant": "team-a"}, "sk-tenant-b": {"tenant": "team-b"}}

@@ -8,7 +8,6 @@ it applied; an orchestrator loads the snapshot and applies the events after it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import zmq

@@ -150,12 +150,33 @@ def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCal
 
 
 class Calibration:
-    """The two calibrators behind one model; ``calibrated_model()`` snapshots them."""
+    """The two calibrators behind one model; ``calibrated_model()`` snapshots them.
 
-    def __init__(self, base: CostModel | None = None):
+    The snapshot is refit only after new observations, and at most once per
+    ``refit_interval`` of the caller's clock: planning runs on every request's path to
+    its first token, and a least-squares refit per request would sit on that path.
+    """
+
+    def __init__(self, base: CostModel | None = None, refit_interval: float = 1.0):
         self.base = base or CostModel()
         self.prefill = PrefillCalibrator(defaults=self.base.prefill)
         self.links = LinkCalibrator(prior=self.base.default_link)
+        self.refit_interval = refit_interval
+        self._model = self.base
+        self._fitted_at: float | None = None
+        self._dirty = False
 
-    def calibrated_model(self) -> CostModel:
-        return calibrated_model(self.base, self.prefill, self.links)
+    def observe_prefill(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        self.prefill.observe(worker_class, new_tokens, cached_tokens, seconds)
+        self._dirty = True
+
+    def observe_link(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
+        self.links.observe(source, destination, num_bytes, seconds)
+        self._dirty = True
+
+    def calibrated_model(self, now: float | None = None) -> CostModel:
+        due = now is None or self._fitted_at is None or now - self._fitted_at >= self.refit_interval
+        if self._dirty and due:
+            self._model = calibrated_model(self.base, self.prefill, self.links)
+            self._fitted_at, self._dirty = now, False
+        return self._model

@@ -1,4 +1,4 @@
-"""``kvroute serve`` as a user starts it, in a subprocess, for end-to-end API tests."""
+"""``kvroute serve`` as a user starts it, in a subprocess: for end-to-end tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -15,25 +15,28 @@ from kvroute.netutil import free_port
 
 
 class Stack:
-    def __init__(self, cache_dir: Path, log_path: Path, extra_args: list[str]):
+    def __init__(self, cache_dir: Path | None, log_path: Path, extra_args: list[str]):
+        """``cache_dir``: the model cache the stack uses (None: the default one)."""
         self.cache_dir = cache_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "KVROUTE_CACHE_DIR": str(cache_dir)}
+        self.command = [sys.executable, "-m", "kvroute", "serve", "--port", str(self.port), *extra_args]
+        env = {**os.environ, **({"KVROUTE_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvroute", "serve", "--port", str(self.port), *extra_args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds until /health answered 200; raises if serve exits or times out first."""
+        start = time.monotonic()
+        deadline = start + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"kvroute serve exited early:\n{self.log_path.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    return time.monotonic() - start
             except httpx.HTTPError:
                 pass
             time.sleep(1)

@@ -1,0 +1,1 @@
+"""Measurement helpers used by ``scripts/measure_disagg.py`` (not part of the serving path)."""
