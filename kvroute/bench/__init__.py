@@ -1,1 +1,2 @@
-"""Measurement helpers used by ``scripts/measure_disagg.py`` (not part of the serving path)."""
+"""Helpers for benchmarks and end-to-end tests: workloads, the serve subprocess, raw
+transport baselines. Not part of the serving path."""
