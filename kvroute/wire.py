@@ -172,6 +172,7 @@ class WorkerStats(_Message, tag="worker_stats"):
     prompt_tokens: PromptTokenCounters
     num_active_requests: int = 0
     request_id: str = ""
+    transfer_fresh: bool = True  # False: the transfer endpoint was slow; counters are the last seen
 
 
 class Heartbeat(_Message, tag="heartbeat"):

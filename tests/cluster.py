@@ -56,7 +56,7 @@ async def wait_idle(client: WorkerClient, timeout: float = 15.0) -> wire.WorkerS
     deadline = time.monotonic() + timeout
     while True:
         stats = await client.stats()
-        idle = (stats.transfer.active_leases == 0 and stats.transfer.active_pulls == 0
+        idle = stats.transfer_fresh and (stats.transfer.active_leases == 0 and stats.transfer.active_pulls == 0
                 and stats.num_active_requests == 0 and stats.load.num_running == 0)
         if idle or time.monotonic() > deadline:
             return stats

@@ -29,6 +29,7 @@ from kvroute.netutil import tcp
 from transfer.block_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
 
 logger = logging.getLogger("kvroute.worker")
+STATS_TIMEOUT = 5.0  # the transfer endpoint shares its process with a busy engine
 RESET_ATTEMPTS = 50  # running requests hold blocks too; a reset waits up to ~5 s for them
 
 
@@ -44,6 +45,7 @@ class Worker:
         self.layout: wire.KVLayoutSpec | None = None
         self.fingerprint = model_fingerprint(self.settings.model)
         self.resident = ResidentBlocks()
+        self._last_transfer = wire.TransferCounters()
 
     async def run(self) -> None:
         stop = _stop_event()
@@ -70,7 +72,7 @@ class Worker:
         for attempt in range(attempts):
             try:
                 return await asyncio.to_thread(fetch_transfer_stats, zmq.Context.instance(),
-                                               self.settings.transfer_address)
+                                               self.settings.transfer_address, STATS_TIMEOUT)
             except PullFailed:
                 if attempt == attempts - 1:
                     raise
@@ -118,10 +120,17 @@ class Worker:
         return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released)
 
     async def worker_stats(self) -> wire.WorkerStats:
-        transfer = await self._transfer_stats()
+        """Load and counters; if the (busy) transfer endpoint is slow, its last known counters."""
+        fresh = True
+        try:
+            self._last_transfer = (await self._transfer_stats()).counters
+        except PullFailed as error:
+            logger.warning("transfer endpoint slow (%s); reporting its last known counters", error)
+            fresh = False
+        transfer = self._last_transfer
         return wire.WorkerStats(worker_id=self.settings.worker_id, role=self.settings.role,
                                 incarnation=self.settings.incarnation, load=self.load(),
-                                transfer=transfer.counters, prompt_tokens=self.stats.prompt_tokens(),
+                                transfer=transfer, transfer_fresh=fresh, prompt_tokens=self.stats.prompt_tokens(),
                                 num_active_requests=self.server.num_active_requests if self.server else 0)
 
     def _announce(self) -> None:

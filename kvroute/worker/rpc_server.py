@@ -41,6 +41,7 @@ class RpcServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind_address)
         self._tasks: dict[str, asyncio.Task] = {}
+        self._queries: set[asyncio.Task] = set()  # stats, snapshot and reset answers in progress
         self.prompt_tokens_waiting: dict[str, int] = {}  # accepted, no output yet
 
     @property
@@ -51,14 +52,18 @@ class RpcServer:
         try:
             while True:
                 identity, *frames = await self._socket.recv_multipart()
-                await self._handle(identity, frames)
+                try:
+                    await self._handle(identity, frames)
+                except Exception:  # nothing a client sends may stop the server
+                    logger.exception("RPC handling failed")
         finally:
             await self.close()
 
     async def close(self) -> None:
-        for task in list(self._tasks.values()):
+        tasks = [*self._tasks.values(), *self._queries]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._socket.close(linger=0)
 
     async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
@@ -76,17 +81,31 @@ class RpcServer:
             self._start_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):
             await self._abort(message.request_id)
-        elif isinstance(message, wire.StatsRequest):
-            reply = await self._stats()
-            reply.request_id = message.request_id
-            await self._send(identity, reply)
-        elif isinstance(message, wire.SnapshotRequest):
-            await self._send(identity, self._snapshot(message.request_id))
-        elif isinstance(message, wire.ResetCacheRequest):
-            await self._send(identity, await self._reset_cache(message.request_id))
+        elif isinstance(message, (wire.StatsRequest, wire.SnapshotRequest, wire.ResetCacheRequest)):
+            # Slow (a reset waits for the engine): answered by a task so the loop keeps serving.
+            self._spawn(self._answer(identity, message))
         else:
             await self._send(identity, wire.ErrorReply(
                 request_id=None, code="bad_request", message=f"unexpected {type(message).__name__}"))
+
+    async def _answer(self, identity: bytes, message: wire.Message) -> None:
+        try:
+            if isinstance(message, wire.StatsRequest):
+                reply = await self._stats()
+                reply.request_id = message.request_id
+            elif isinstance(message, wire.SnapshotRequest):
+                reply = self._snapshot(message.request_id)
+            else:
+                reply = await self._reset_cache(message.request_id)
+        except Exception as error:  # a failing query must never take the worker down
+            logger.warning("%s failed: %s", type(message).__name__, error)
+            reply = wire.ErrorReply(request_id=message.request_id, code="unavailable", message=str(error))
+        await self._send(identity, reply)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._queries.add(task)
+        task.add_done_callback(self._queries.discard)
 
     def _start_generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         problem = validate(request)
