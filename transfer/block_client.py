@@ -97,39 +97,30 @@ def release_lease(context: zmq.Context, address: str, handle: str, reason: str,
         channel.close()
 
 
-def release_all_leases(context: zmq.Context, address: str, reason: str = "reset", timeout: float = 2.0) -> int:
-    """End every lease on one endpoint; returns how many were held."""
+def _request(context: zmq.Context, address: str, message: wire._Message, reply_type: type,
+             timeout: float):
+    """One request, one reply of ``reply_type``, within ``timeout`` seconds."""
     channel = _Channel(context, address, time.monotonic() + timeout)
     try:
-        channel.send(wire.ReleaseAllLeases(reason=reason))
+        channel.send(message)
         reply = channel.receive_message()
-        if not isinstance(reply, wire.ReleaseReply):
-            raise PullFailed(f"unexpected reply {type(reply).__name__}")
-        return reply.count
-    finally:
-        channel.close()
-
-
-def fetch_pull_records(context: zmq.Context, address: str, request_id: str,
-                       timeout: float = 2.0) -> list[wire.PullRecord]:
-    channel = _Channel(context, address, time.monotonic() + timeout)
-    try:
-        channel.send(wire.PullRecordsRequest(request_id=request_id))
-        reply = channel.receive_message()
-        if not isinstance(reply, wire.PullRecordsReply):
-            raise PullFailed(f"unexpected reply {type(reply).__name__}")
-        return reply.records
-    finally:
-        channel.close()
-
-
-def fetch_transfer_stats(context: zmq.Context, address: str, timeout: float = 2.0) -> wire.TransferStatsReply:
-    channel = _Channel(context, address, time.monotonic() + timeout)
-    try:
-        channel.send(wire.TransferStatsRequest())
-        reply = channel.receive_message()
-        if not isinstance(reply, wire.TransferStatsReply):
+        if not isinstance(reply, reply_type):
             raise PullFailed(f"unexpected reply {type(reply).__name__}")
         return reply
     finally:
         channel.close()
+
+
+def release_all_leases(context: zmq.Context, address: str, reason: str = "reset", timeout: float = 2.0) -> int:
+    """End every lease on one endpoint; returns how many were held."""
+    return _request(context, address, wire.ReleaseAllLeases(reason=reason), wire.ReleaseReply, timeout).count
+
+
+def fetch_pull_records(context: zmq.Context, address: str, request_id: str,
+                       timeout: float = 2.0) -> list[wire.PullRecord]:
+    request = wire.PullRecordsRequest(request_id=request_id)
+    return _request(context, address, request, wire.PullRecordsReply, timeout).records
+
+
+def fetch_transfer_stats(context: zmq.Context, address: str, timeout: float = 2.0) -> wire.TransferStatsReply:
+    return _request(context, address, wire.TransferStatsRequest(), wire.TransferStatsReply, timeout)
