@@ -469,6 +469,9 @@ def summarize(policy: str, rows: list[Row], duration: float, labels: dict[str, s
                                                  for r in ok if r.prefilling_worker)),
         "decode_worker_counts": dict(Counter(labels.get(r.decode_worker, r.decode_worker)
                                              for r in ok if r.decode_worker)),
+        # every request that got a plan, failed ones too: where the policy put the load
+        "placed_prefilling_worker_counts": dict(Counter(labels.get(r.prefilling_worker, r.prefilling_worker)
+                                                        for r in rows if r.prefilling_worker)),
         "predicted_reused_tokens": sum(r.predicted_reused_tokens for r in predicted),
         "actual_reused_tokens": sum(r.actual_reused_tokens for r in predicted),
         "overpredicted_requests": sum(r.actual_reused_tokens + 128 <= r.predicted_reused_tokens for r in predicted),
@@ -559,11 +562,12 @@ def plot(output: Path, rows_by_policy: dict[str, list[Row]], summaries: dict[str
     width = 0.8 / max(len(labels), 1)
     positions = np.arange(len(names))
     for k, label in enumerate(labels):
-        counts = [summaries[n]["prefilling_worker_counts"].get(label, 0) for n in names]
+        counts = [summaries[n].get("placed_prefilling_worker_counts", summaries[n]["prefilling_worker_counts"])
+                  .get(label, 0) for n in names]
         axis.bar(positions + (k - (len(labels) - 1) / 2) * width, counts, width, label=label)
     axis.set_xticks(positions, names)
-    axis.set_ylabel("requests prefilled")
-    axis.set_title("Per-worker load: which worker prefilled each request")
+    axis.set_ylabel("requests placed")
+    axis.set_title("Per-worker load: the worker each policy chose to prefill (all placed requests)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(output / "worker_load.png", dpi=120)
