@@ -15,6 +15,7 @@ import zmq
 
 from kvroute import wire
 from kvroute.netutil import async_context
+from orchestrator.load_ledger import LoadLedger
 from orchestrator.registry import Verdict, WorkerRegistry, WorkerView
 from orchestrator.worker_client import WorkerClient
 
@@ -22,7 +23,8 @@ logger = logging.getLogger("kvroute.orchestrator.fleet")
 
 
 class Fleet:
-    """Owns the registry, the clients and the in-flight request counts per worker."""
+    """Owns the registry, the clients, the in-flight request counts per worker and the
+    ledger that reconciles heartbeats with this orchestrator's own dispatches."""
 
     def __init__(self, registry: WorkerRegistry, bind_address: str, orchestrator_id: str):
         self.registry = registry
@@ -30,6 +32,7 @@ class Fleet:
         self._bind_address = bind_address
         self._clients: dict[str, WorkerClient] = {}
         self._in_flight: dict[str, int] = {}
+        self.ledger = LoadLedger()
         self._refused: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         self._socket = None
@@ -97,6 +100,7 @@ class Fleet:
                 self._refused[beat.worker_id] = verdict.reason
             return
         self._refused.pop(beat.worker_id, None)
+        self.ledger.heartbeat(beat.worker_id)
         if verdict.replaced is not None:
             await self._drop(verdict.replaced.worker_id)
         if verdict.is_new:
@@ -116,5 +120,6 @@ class Fleet:
             listener.worker_down(worker_id)
         client = self._clients.pop(worker_id, None)
         self._in_flight.pop(worker_id, None)
+        self.ledger.forget(worker_id)
         if client is not None:
             await client.close()

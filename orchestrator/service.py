@@ -27,6 +27,7 @@ from orchestrator.errors import APIError
 from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
+from orchestrator.load_ledger import QueuedWork
 from orchestrator.metrics import Metrics
 from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
@@ -118,12 +119,17 @@ class CompletionService:
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
     def _views(self, role: str, matches: dict[str, int]) -> list[WorkerView]:
-        return [WorkerView(worker_id=w.worker_id, role=role, num_running=w.load.num_running,
-                           num_waiting=w.load.num_waiting, num_queued_prefill_tokens=w.load.num_queued_prefill_tokens,
-                           num_free_blocks=w.load.num_free_blocks, num_total_blocks=w.load.num_total_blocks,
-                           block_size=w.load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=w.load.bytes_per_block,
-                           in_flight=self.fleet.in_flight(w.worker_id), cached_blocks=matches.get(w.worker_id, 0))
-                for w in self.fleet.live(role)]
+        return [self._view(w, role, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)]
+
+    def _view(self, worker, role: str, cached_blocks: int) -> WorkerView:
+        load = worker.load
+        queued = self.fleet.ledger.queued(worker.worker_id, QueuedWork(load.num_waiting,
+                                                                       load.num_queued_prefill_tokens))
+        return WorkerView(worker_id=worker.worker_id, role=role, num_running=load.num_running,
+                          num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
+                          num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+                          block_size=load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=load.bytes_per_block,
+                          in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks)
 
     # ------------------------------------------------------------ running
 
@@ -134,8 +140,11 @@ class CompletionService:
         handoff = HandoffRecord(request_id=job.request_id)
         idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
         self._track(plan, +1)
+        prefilling = plan.prefill_worker or plan.decode_worker
+        reused = plan.estimate.reused_tokens if plan.estimate else 0
+        self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused)
         try:
-            async with aclosing(self._tokens(plan, job, handoff)) as tokens:
+            async with aclosing(self._until_prefilled(self._tokens(plan, job, handoff), prefilling, job)) as tokens:
                 async for delta in self._detokenize(tokens, job, outcome):
                     yield delta
         except WorkerError as error:
@@ -144,6 +153,7 @@ class CompletionService:
             record.actual.error = str(error)
             raise APIError(503, f"{role} worker failed: {error}", code="worker_error") from error
         finally:
+            self.fleet.ledger.prefilled(prefilling, job.request_id)
             self._track(plan, -1)
             outcome.cached_tokens = handoff.prefill_cached_tokens
             self._complete(job, plan, handoff, outcome, record, idle_at_start)
@@ -155,6 +165,15 @@ class CompletionService:
                                   self.worker_timeout)
         return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
                                       job.sampling, job.cache_salt, self.worker_timeout)
+
+    async def _until_prefilled(self, chunks: AsyncIterator[wire.GenerateChunk], prefilling: str,
+                               job: Job) -> AsyncIterator[wire.GenerateChunk]:
+        """Pass chunks through; the first token means the prefilling worker's queue is shorter."""
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                if chunk.token_ids or chunk.finished:
+                    self.fleet.ledger.prefilled(prefilling, job.request_id)
+                yield chunk
 
     def _client(self, worker_id: str):
         client = self.fleet.client(worker_id)

@@ -1,0 +1,68 @@
+"""LoadLedger: a stale heartbeat corrected by what this orchestrator sent and saw finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.load_ledger import LoadLedger, QueuedWork
+
+IDLE = QueuedWork(num_waiting=0, num_queued_prefill_tokens=0)
+
+
+@pytest.fixture
+def ledger() -> LoadLedger:
+    return LoadLedger()
+
+
+def test_unknown_worker_keeps_its_report(ledger):
+    report = QueuedWork(num_waiting=2, num_queued_prefill_tokens=900)
+    assert ledger.queued("w1", report) == report
+
+
+def test_dispatch_not_yet_in_a_heartbeat_counts(ledger):
+    ledger.dispatched("w1", "r1", 428)
+    assert ledger.queued("w1", IDLE) == QueuedWork(1, 428)
+
+
+def test_finished_prefill_still_in_the_last_heartbeat_is_subtracted(ledger):
+    # The situation that made a warm worker look busy: the heartbeat sent while r1 was
+    # queued arrives after r1's first token.
+    ledger.dispatched("w1", "r1", 428)
+    ledger.prefilled("w1", "r1")
+    assert ledger.queued("w1", QueuedWork(1, 428)) == IDLE
+
+
+def test_a_new_heartbeat_ends_the_correction(ledger):
+    ledger.dispatched("w1", "r1", 428)
+    ledger.prefilled("w1", "r1")
+    ledger.heartbeat("w1")
+    # Whatever the worker reports now is newer than r1's finish: other replicas' work.
+    assert ledger.queued("w1", QueuedWork(1, 300)) == QueuedWork(1, 300)
+
+
+def test_other_replicas_work_is_never_hidden(ledger):
+    ledger.dispatched("w1", "r1", 100)
+    ledger.prefilled("w1", "r1")
+    assert ledger.queued("w1", QueuedWork(3, 2100)) == QueuedWork(2, 2000)
+
+
+def test_pending_is_a_floor_and_prefilled_is_idempotent(ledger):
+    ledger.dispatched("w1", "r1", 500)
+    ledger.dispatched("w1", "r2", 200)
+    ledger.prefilled("w1", "r1")
+    ledger.prefilled("w1", "r1")  # the first token and the stream's end both report it
+    ledger.prefilled("w1", "never-sent")
+    assert ledger.queued("w1", QueuedWork(2, 700)) == QueuedWork(1, 200)
+    assert ledger.queued("w1", IDLE) == QueuedWork(1, 200)
+
+
+def test_forget_drops_everything_of_a_worker(ledger):
+    ledger.dispatched("w1", "r1", 500)
+    ledger.forget("w1")
+    ledger.prefilled("w1", "r1")
+    assert ledger.queued("w1", IDLE) == IDLE
+
+
+def test_negative_prefill_tokens_count_as_zero(ledger):
+    ledger.dispatched("w1", "r1", -3)
+    assert ledger.queued("w1", IDLE) == QueuedWork(1, 0)
