@@ -153,6 +153,8 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     leases_expired: int = 0
     active_leases: int = 0
     active_pulls: int = 0
+    leases_staged: int = 0  # leases copied to host buffers, so the engine freed their blocks
+    staged_bytes: int = 0  # host bytes held (or being copied) for staged leases now
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):

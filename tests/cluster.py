@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvroute import wire
 from kvroute.launcher import LaunchedWorker, launch_worker
@@ -61,3 +63,39 @@ async def wait_idle(client: WorkerClient, timeout: float = 15.0) -> wire.WorkerS
         if idle or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
+
+
+def process_tree_cpu_cores(root_pid: int, seconds: float) -> float:
+    """Average cores used by a process and its descendants over ``seconds`` (from /proc)."""
+    start = _tree_cpu_seconds(root_pid)
+    time.sleep(seconds)
+    return (_tree_cpu_seconds(root_pid) - start) / seconds
+
+
+def _tree_cpu_seconds(root_pid: int) -> float:
+    ticks = 0
+    for pid in _descendants(root_pid) | {root_pid}:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root_pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = set(), [root_pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found

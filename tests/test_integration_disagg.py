@@ -6,7 +6,9 @@ decode worker must load (not recompute) what it lacks, and pull only that.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 import zmq
@@ -14,8 +16,10 @@ from transformers import AutoTokenizer
 
 from kvroute import wire
 from kvroute.model_prep import resolve_model
+from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
-from tests.cluster import Clients, run_disaggregated, run_single, start_worker, wait_idle, START_TIMEOUT
+from tests.cluster import (Clients, process_tree_cpu_cores, run_disaggregated, run_single, start_worker,
+                           wait_idle, START_TIMEOUT)
 
 GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
 TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
@@ -124,6 +128,46 @@ async def test_first_token_that_ends_the_request_releases_the_lease(clients, tok
     assert len(record.token_ids) == 1 and record.finish_reason == "length"
     stats = await wait_idle(clients.prefill)
     assert stats.transfer.active_leases == 0
+
+
+async def test_held_lease_is_staged_and_the_producer_engine_goes_idle(clients, engines, tokenizer):
+    """A held lease must not keep the producer's engine stepping (on CPU it would spin a
+    core beside the block server): its blocks are copied out and freed at once."""
+    prompt = chat_prompt(tokenizer, question(6))
+    before = await clients.prefill.stats()
+    head = [c async for c in clients.prefill.generate(wire.GenerateRequest(
+        request_id="staged", prompt_token_ids=prompt, hold_blocks=True,
+        sampling=wire.SamplingSpec(max_tokens=1)))][-1]
+    source = head.pull_source
+    try:
+        held = await wait_staged(clients.prefill, before.transfer.leases_staged + 1)
+        num_blocks = math.ceil(source.num_tokens / source.block_size)
+        assert held.transfer.active_leases == 1
+        assert held.transfer.staged_bytes == num_blocks * held.load.bytes_per_block
+        cpu_cores = process_tree_cpu_cores(engines["prefill"].process.pid, seconds=2.0)
+        assert cpu_cores < 0.5, f"the producer kept {cpu_cores:.2f} cores busy while its lease was held"
+        # The staged copy still serves the decode worker, and the output is unchanged.
+        reference = await run_single(clients.decode, "staged-ref", prompt, GREEDY_32, "reference-staged")
+        rest = await _collect_chunks(clients.decode, wire.GenerateRequest(
+            request_id="staged-decode", prompt_token_ids=prompt + head.token_ids,
+            sampling=wire.SamplingSpec(max_tokens=31, temperature=0.0), pull_from=source))
+        assert head.token_ids + [t for chunk in rest for t in chunk.token_ids] == reference
+        source = None  # the decode worker acknowledged the pull, which ended the lease
+    finally:
+        if source is not None:
+            await release(source, "test")
+    after = await wait_idle(clients.prefill)
+    assert after.transfer.staged_bytes == 0
+
+
+async def wait_staged(client: WorkerClient, leases_staged: int, timeout: float = 10.0) -> wire.WorkerStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await client.stats()
+        if stats.transfer.leases_staged >= leases_staged:
+            return stats
+        assert time.monotonic() < deadline, f"lease never staged: {stats.transfer}"
+        await asyncio.sleep(0.05)
 
 
 async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines, tokenizer):

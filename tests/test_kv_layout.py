@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvroute.wire import KVLayoutSpec
-from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor, find_block_dim
+from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor, find_block_dim, widest_element
 
 NUM_LAYERS = 3
 NUM_HEADS = 3
@@ -266,3 +266,28 @@ def test_block_index_tensor_is_long():
     assert block_index_tensor([3, 1]).dtype == torch.long
     assert block_index_tensor([]).dtype == torch.long
     assert block_index_tensor(range(3)).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("row_bytes, offset, expected", [
+    (98_304, 0, torch.complex128),  # a bf16 CPU block of SmolLM2: 2 x 3 heads x 128 x 64
+    (24, 0, torch.int64),
+    (12, 0, torch.int32),
+    (6, 0, torch.int16),
+    (3, 0, torch.uint8),
+    (64, 4, torch.int32),  # a start address off the wider alignments
+])
+def test_widest_element(row_bytes, offset, expected):
+    storage = torch.zeros(4 * row_bytes + 64, dtype=torch.uint8)
+    base = (-storage.data_ptr()) % 16  # a 16-byte aligned start, then the offset under test
+    rows = storage[base + offset: base + offset + 4 * row_bytes].view(4, row_bytes)
+    assert widest_element(rows) == expected
+
+
+def test_odd_sized_blocks_still_move_bit_exactly():
+    """Rows of 3 bytes admit no wide element; the byte path must be just as exact."""
+    src = PagedKVCache([torch.randint(0, 256, (7, 3), dtype=torch.uint8) for _ in range(2)], 7, 3)
+    dst = PagedKVCache([torch.zeros(9, 3, dtype=torch.uint8) for _ in range(2)], 9, 3)
+    transfer(src, [6, 0, 2], dst, [1, 8, 4])
+    for s, d in zip(src.layers, dst.layers):
+        assert torch.equal(d[[1, 8, 4]], s[[6, 0, 2]])
+        assert not d[[0, 2, 3, 5, 6, 7]].any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from transfer.leases import Lease, LeaseTable
 
@@ -173,3 +174,80 @@ def test_concurrent_release_and_expire_end_each_lease_exactly_once():
     assert table.num_released + table.num_expired == len(handles)
     assert table.take_ended_request_ids() == {f"req-{h}" for h in handles}
     assert_nothing_left_behind(table)
+
+
+# ---------------------------------------------------------------- staging
+
+
+def staged_layers(nbytes_each: int = 8, count: int = 2) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.zeros(nbytes_each, dtype=torch.uint8) for _ in range(count))
+
+
+def test_staging_lease_is_not_servable_until_the_copy_is_done():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"), staging_bytes=16)
+    assert table.get("h1") is None
+    assert table.staged_bytes == 16
+    assert table.take_ended_request_ids() == set()  # the copy still reads the engine's blocks
+    assert table.finish_staging("h1", staged_layers())
+    served = table.get("h1")
+    assert served is not None and len(served.staged) == 2
+    # Staged: the engine may free its blocks now, although the lease lives on.
+    assert table.take_ended_request_ids() == {"req-a"}
+    assert table.num_staged == 1 and len(table) == 1
+
+
+def test_releasing_a_staged_lease_frees_its_budget_and_reports_nothing_twice():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"), staging_bytes=16)
+    table.finish_staging("h1", staged_layers())
+    table.take_ended_request_ids()
+    assert table.release("h1")
+    assert table.take_ended_request_ids() == set()
+    assert table.staged_bytes == 0 and len(table) == 0
+
+
+def test_release_during_the_copy_is_reported_when_the_copy_stops():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"), staging_bytes=16)
+    assert table.release("h1")
+    assert table.take_ended_request_ids() == set()  # freeing now would race the copy
+    assert table.finish_staging("h1", staged_layers()) is False
+    assert table.take_ended_request_ids() == {"req-a"}
+    assert table.staged_bytes == 0 and table.get("h1") is None
+
+
+def test_expiry_during_the_copy_waits_for_it_too():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a", expires_at=5.0), staging_bytes=16)
+    assert [l.handle for l in table.expire(now=6.0)] == ["h1"]
+    assert table.take_ended_request_ids() == set()
+    table.finish_staging("h1", None)
+    assert table.take_ended_request_ids() == {"req-a"}
+    assert table.staged_bytes == 0
+
+
+def test_failed_copy_leaves_the_lease_in_place():
+    table = LeaseTable()
+    table.grant(lease("h1", "req-a"), staging_bytes=16)
+    assert table.finish_staging("h1", None)
+    in_place = table.get("h1")
+    assert in_place is not None and in_place.staged is None
+    assert table.staged_bytes == 0
+    assert table.take_ended_request_ids() == set()  # still holding the engine's blocks
+    table.release("h1")
+    assert table.take_ended_request_ids() == {"req-a"}
+
+
+def test_release_all_covers_every_state():
+    table = LeaseTable()
+    table.grant(lease("in-place", "req-1"))
+    table.grant(lease("staging", "req-2"), staging_bytes=8)
+    table.grant(lease("staged", "req-3"), staging_bytes=8)
+    table.finish_staging("staged", staged_layers(4))
+    assert table.take_ended_request_ids() == {"req-3"}
+    assert table.release_all() == 3
+    assert table.take_ended_request_ids() == {"req-1"}
+    table.finish_staging("staging", staged_layers(4))
+    assert table.take_ended_request_ids() == {"req-2"}
+    assert table.staged_bytes == 0 and len(table) == 0

@@ -414,3 +414,53 @@ def test_server_survives_a_burst_of_garbage(producer, consumer, context):
     _, source = producer.lease((0, 11))
     pull_into(context, consumer, source, [0, 1], [8, 9])
     assert_pulled(producer, consumer, [0, 11], [8, 9])
+
+
+# ---------------------------------------------------------------- staged leases
+
+
+def stage(producer: Producer, lease: Lease) -> list[torch.Tensor]:
+    """What the producer's staging thread does, then the engine reusing the freed blocks.
+
+    Returns the producer's layers as they were, to compare the pulled blocks against."""
+    original = snapshot(producer.cache)
+    producer.leases.finish_staging(lease.handle, producer.cache.copy_blocks(block_index_tensor(lease.block_ids)))
+    assert producer.leases.take_ended_request_ids() == {lease.request_id}  # the engine may free them
+    for layer in producer.cache.layers:
+        layer.view(torch.uint8).fill_(0xA5)  # freed blocks get new owners: the lease must not care
+    return original
+
+
+@pytest.mark.parametrize("positions", [[1, 2, 3, 4], [0, 2, 4], [3, 1]], ids=["contiguous", "gaps", "reversed"])
+def test_staged_lease_is_served_from_its_copy(producer, consumer, context, positions):
+    lease_blocks = (3, 7, 1, 10, 5)
+    lease, source = producer.lease(lease_blocks, grant=False)
+    producer.leases.grant(lease, staging_bytes=len(lease_blocks) * producer.cache.spec.bytes_per_block)
+    original = stage(producer, lease)
+    local_ids = [9, 0, 4, 6][: len(positions)]
+
+    assert pull_into(context, consumer, source, positions, local_ids) == len(positions) * consumer.spec.bytes_per_block
+
+    for layer in range(NUM_LAYERS):
+        for position, local_id in zip(positions, local_ids):
+            expected = original[layer].select(producer.cache.block_dim, lease_blocks[position]).contiguous()
+            assert torch.equal(block_bytes(consumer, layer, local_id), expected.view(torch.uint8))
+    assert fetch_transfer_stats(context, producer.address).counters.leases_staged == 1
+    assert release_lease(context, producer.address, lease.handle, "ack")
+    assert producer.leases.staged_bytes == 0 and producer.leases.take_ended_request_ids() == set()
+
+
+def test_pull_while_staging_waits_for_the_copy(producer, consumer, context):
+    lease_blocks = (2, 8)
+    lease, source = producer.lease(lease_blocks, grant=False)
+    producer.leases.grant(lease, staging_bytes=2 * producer.cache.spec.bytes_per_block)
+    copy = producer.cache.copy_blocks(block_index_tensor(lease_blocks))
+    timer = threading.Timer(0.1, producer.leases.finish_staging, args=(lease.handle, copy))
+    timer.start()
+    try:
+        started = time.monotonic()
+        pull_into(context, consumer, source, [0, 1], [3, 5])
+        assert time.monotonic() - started >= 0.09  # parked until the copy was done
+    finally:
+        timer.join()
+    assert_pulled(producer, consumer, lease_blocks, [3, 5])

@@ -1,7 +1,7 @@
 """The transfer endpoint of one engine: serves leased blocks, releases, and counters.
 
 Runs as a daemon thread inside vLLM's model-worker process, next to the KV cache it
-reads. Protocol over one ROUTER socket (client: a DEALER)::
+reads. A staged lease (see ``transfer.leases``) is served from its own host copy. Protocol over one ROUTER socket (client: a DEALER)::
 
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
     ReleaseLease ──▶ ReleaseReply
@@ -116,7 +116,8 @@ class BlockServer:
     def snapshot(self) -> wire.TransferCounters:
         leases = self.leases
         return self.counters.snapshot(active_leases=len(leases), leases_granted=leases.num_granted,
-                                      leases_released=leases.num_released, leases_expired=leases.num_expired)
+                                      leases_released=leases.num_released, leases_expired=leases.num_expired,
+                                      leases_staged=leases.num_staged, staged_bytes=leases.staged_bytes)
 
     def _start_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
         if self.leases.get(request.handle) is None:
@@ -149,7 +150,10 @@ class BlockServer:
             return
         self._reply(identity, wire.PullHeader(ok=True, num_blocks=len(block_ids),
                                               num_layers=self.cache.spec.num_layers))
-        self._send_layers(identity, block_ids)
+        if lease.staged is not None:
+            self._send_staged(identity, lease.staged, request.block_indices)
+        else:
+            self._send_layers(identity, block_ids)
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks, leased: tuple[int, ...]) -> list[int]:
@@ -166,6 +170,24 @@ class BlockServer:
             self.cache.gather_layer(layer, index, buffer)
             self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
         self.counters.add(bytes_sent=nbytes * self.cache.spec.num_layers, blocks_sent=len(block_ids))
+
+    def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int]) -> None:
+        """Send from a staged lease. Its copies are never written again and live as long as
+        any frame still references them, so a contiguous run of blocks goes out zero-copy
+        as it lies; other selections are gathered into send buffers first."""
+        cache, count = self.cache, len(indices)
+        first = indices[0] if indices else 0
+        contiguous = indices == list(range(first, first + count))
+        positions = block_index_tensor(indices)
+        for copy in staged:
+            run = cache.run_of_copy(copy, first, count) if contiguous else None
+            if run is not None:
+                send_frame(self._socket, [identity], run)
+                continue
+            slot, buffer = self._buffers.acquire(count * cache.layer_bytes_per_block)
+            cache.select_from_copy(copy, positions, buffer)
+            self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
+        self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(staged), blocks_sent=count)
 
     def _refuse(self, identity: bytes, reason: str) -> None:
         self._reply(identity, wire.PullHeader(ok=False, error=reason))

@@ -1,7 +1,8 @@
 """The worker half of the kvroute connector (runs in vLLM's model-worker process).
 
 It owns the transfer endpoint (``BlockServer``) beside the KV cache, the lease table
-of a producer, and the pulls of a consumer. Pulls run on a small thread pool and
+of a producer (leases are staged to host buffers when the budget allows, so the engine
+frees its blocks at once; see ``transfer.leases``), and the pulls of a consumer. Pulls run on a small thread pool and
 write only into blocks vLLM allocated for them; vLLM does not read those blocks until
 the pull is reported finished. A failed pull is reported as failed, and vLLM
 (``kv_load_failure_policy="recompute"``) computes the prompt locally instead.
@@ -31,8 +32,8 @@ logger = logging.getLogger("kvroute.transfer.worker")
 
 
 class ConnectorWorker:
-    """Engine-thread methods: register, start_loads, take_results. Pull threads only
-    append to the result sets under ``_lock``."""
+    """Engine-thread methods: register, start, take_results. Pull threads only append
+    to the result sets under ``_lock``; the staging thread only finishes stagings."""
 
     def __init__(self, settings: ConnectorSettings, num_blocks: int, block_size: int):
         self.settings = settings
@@ -45,6 +46,7 @@ class ConnectorWorker:
         self.server: BlockServer | None = None
         self._context = zmq.Context.instance()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull")
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-stage")
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -59,13 +61,34 @@ class ConnectorWorker:
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
         for grant in metadata.grants:
-            self.leases.grant(Lease(grant.handle, grant.request_id, grant.block_ids, grant.num_tokens,
-                                    now + self.settings.lease_seconds))
+            lease = Lease(grant.handle, grant.request_id, grant.block_ids, grant.num_tokens,
+                          now + self.settings.lease_seconds)
+            staging_bytes = self._staging_room(len(grant.block_ids))
+            self.leases.grant(lease, staging_bytes=staging_bytes)
+            if staging_bytes:
+                self._stager.submit(self._stage, lease)
         for load in metadata.loads:
             self.counters.add(active_pulls=1)
             self._pool.submit(self._pull, load)
         for source, reason in metadata.releases:
             self._pool.submit(release_lease, self._context, source.address, source.handle, reason)
+
+    def _staging_room(self, num_blocks: int) -> int:
+        """Bytes to stage a lease of ``num_blocks`` blocks, or 0 to keep it in place."""
+        assert self.cache is not None, "KV caches were never registered"
+        nbytes = num_blocks * self.cache.spec.bytes_per_block
+        if not self.cache.is_host_memory or self.leases.staged_bytes + nbytes > self.settings.staging_bytes:
+            return 0
+        return nbytes
+
+    def _stage(self, lease: Lease) -> None:
+        """Copy a lease's blocks out of the engine's cache so the engine can free them."""
+        try:
+            layers = self.cache.copy_blocks(block_index_tensor(lease.block_ids))
+        except Exception:  # the lease stays in place and is still served
+            logger.exception("staging the lease of request %s failed; holding its blocks", lease.request_id)
+            layers = None
+        self.leases.finish_staging(lease.handle, layers)
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
@@ -83,13 +106,14 @@ class ConnectorWorker:
             nbytes = self._pull_into_cache(load)
             self._record(load, nbytes, started, ok=True)
             self.counters.add(bytes_received=nbytes, blocks_received=len(load.local_block_ids), pulls_ok=1)
-            release_lease(self._context, load.source.address, load.source.handle, "ack")
-            self._finish(load.request_id, failed=False)
         except Exception as error:  # any failure falls back to recompute, never a lost request
             logger.warning("pull for request %s failed (%s); recomputing locally", load.request_id, error)
             self._record(load, 0, started, ok=False)
             self.counters.add(pulls_failed=1)
             self._finish(load.request_id, failed=True)
+            return
+        self._finish(load.request_id, failed=False)  # the request runs on; the ack need not wait
+        release_lease(self._context, load.source.address, load.source.handle, "ack")
 
     def _record(self, load: LoadSpec, nbytes: int, started: float, ok: bool) -> None:
         self.pull_records.add(PullRecord(request_id=load.request_id, source=load.source.address,
@@ -104,12 +128,14 @@ class ConnectorWorker:
                            lambda layer, data: cache.scatter_layer(layer, local, data), deadline)
 
     def _finish(self, request_id: str, failed: bool) -> None:
+        """Report a load done; an exception after this must not report it again."""
         self.counters.add(active_pulls=-1)
         with self._lock:
             (self._failed_loads if failed else self._finished_loads).add(request_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stager.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.stop()
 

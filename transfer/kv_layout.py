@@ -4,10 +4,12 @@ vLLM hands the connector one tensor per attention layer. Where the block dimensi
 sits depends on the attention backend (the CPU backend's layout differs from the GPU
 ones), so it is read from the tensors, never assumed. Gather and scatter are one
 vectorised ``index_select`` / ``index_copy_`` per layer: no per-block Python loop.
+Blocks are moved as opaque bytes, in wide elements (see ``PagedKVCache._views``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -73,19 +75,84 @@ class PagedKVCache:
         if remote != self.spec:
             raise LayoutMismatch(f"KV layout differs: local {self.spec}, remote {remote}")
 
+    @property
+    def is_host_memory(self) -> bool:
+        return self.layers[0].device.type == "cpu"
+
     def gather_layer(self, layer_index: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the given blocks of one layer, in order, into the contiguous ``out``."""
-        layer = self.layers[layer_index]
-        shape = list(layer.shape)
-        shape[self.block_dim] = len(block_ids)
-        torch.index_select(layer, self.block_dim, block_ids, out=out.view(layer.dtype).view(shape))
+        layer, wire = self._views(layer_index, out, len(block_ids))
+        torch.index_select(layer, self.block_dim, block_ids, out=wire)
 
     def scatter_layer(self, layer_index: int, block_ids: torch.Tensor, data: torch.Tensor) -> None:
         """Write contiguous blocks (as produced by ``gather_layer``) into one layer."""
+        layer, wire = self._views(layer_index, data, len(block_ids))
+        layer.index_copy_(self.block_dim, block_ids, wire)
+
+    def _views(self, layer_index: int, wire: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer and a wire buffer of ``num_blocks`` blocks, viewed alike for copying.
+
+        Only bytes move, so a contiguous layer is viewed as rows of the widest element
+        that divides a block's bytes: indexed copies then move 16 bytes per element
+        instead of 2, which makes them several times faster on CPU. A non-contiguous
+        layer keeps its own dtype and shape."""
         layer = self.layers[layer_index]
-        shape = list(layer.shape)
-        shape[self.block_dim] = len(block_ids)
-        layer.index_copy_(self.block_dim, block_ids, data.view(layer.dtype).view(shape))
+        if not layer.is_contiguous():
+            shape = list(layer.shape)
+            shape[self.block_dim] = num_blocks
+            return layer, wire.view(layer.dtype).view(shape)
+        layer_rows = self._wire_rows(layer, self.num_blocks)
+        wire_rows = self._wire_rows(wire, num_blocks)
+        element = widest_element(layer_rows, wire_rows)
+        return layer_rows.view(element), wire_rows.view(element)
+
+    def _wire_rows(self, data: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """Contiguous ``data`` holding ``num_blocks`` blocks, as bytes: the dimensions up to
+        the block dimension, then one row of everything after it."""
+        shape = list(self.layers[0].shape)
+        shape[self.block_dim] = num_blocks
+        row_bytes = math.prod(shape[self.block_dim + 1:]) * self.layers[0].element_size()
+        return data.view(torch.uint8).view(*shape[: self.block_dim + 1], row_bytes)
+
+    # ------------------------------------------------------------ copies (staged leases)
+
+    def copy_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's given blocks, in order, as new contiguous byte tensors (wire format)."""
+        copies = []
+        for layer in range(self.spec.num_layers):
+            out = torch.empty(len(block_ids) * self.layer_bytes_per_block, dtype=torch.uint8)
+            self.gather_layer(layer, block_ids, out)
+            copies.append(out)
+        return tuple(copies)
+
+    def run_of_copy(self, copy: torch.Tensor, first: int, count: int) -> torch.Tensor | None:
+        """Blocks ``first … first+count-1`` of a copy as a view in wire format, when they lie
+        contiguously (block dimension first); None otherwise."""
+        if self.block_dim != 0:
+            return None
+        block_bytes = self.layer_bytes_per_block
+        return copy[first * block_bytes:(first + count) * block_bytes]
+
+    def select_from_copy(self, copy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks at ``positions`` of a copy made by ``copy_blocks``, into ``out`` (wire format)."""
+        source = self._wire_rows(copy, copy.numel() // self.layer_bytes_per_block)
+        target = self._wire_rows(out, len(positions))
+        element = widest_element(source, target)
+        torch.index_select(source.view(element), self.block_dim, positions, out=target.view(element))
+
+
+# Plain-copy element types by width; complex128 moves 16 bytes at a time and is never
+# computed on, so NaN payloads and any bit pattern survive unchanged.
+_WIDE_ELEMENTS = (torch.complex128, torch.int64, torch.int32, torch.int16)
+
+
+def widest_element(*byte_rows: torch.Tensor) -> torch.dtype:
+    """The widest element type that every row length and start address divides."""
+    for element in _WIDE_ELEMENTS:
+        size = element.itemsize
+        if all(t.shape[-1] % size == 0 and t.data_ptr() % size == 0 for t in byte_rows):
+            return element
+    return torch.uint8
 
 
 def block_index_tensor(block_ids: Sequence[int]) -> torch.Tensor:

@@ -2,19 +2,34 @@
 
 ::
 
-    request_finished ──grant──▶ HELD ──release (ack, local hit, abort, rejection)──▶ gone
-                                  └────────────expire (deadline passed)───────────▶ gone
+    request_finished ──grant──▶ STAGING ──staged──▶ STAGED (host copy; engine blocks freed)
+                       │            │                  │
+                       │            └──release──▶ ENDING ──staged──▶ gone
+                       └─(no room to stage)──▶ IN PLACE (engine keeps the blocks)
+    any live lease ──release (ack, local hit, abort, rejection) or expire──▶ gone
 
-While a lease is held vLLM keeps the blocks allocated (the connector returned
-``delay_free=True``). Every way out reports the vLLM request id once, so the
-scheduler frees the blocks exactly once. Time is passed in; the table holds no clock.
-Thread-safe: the block server thread and the engine's step thread both use it.
+vLLM keeps a leased request's blocks allocated (the connector returned
+``delay_free=True``) until the table reports its request id. While a request holds
+blocks that way, vLLM's engine loop keeps stepping — on CPU that spins a core and
+starves the block server in the same process. So a lease is normally *staged*: its
+blocks are copied to host buffers the lease owns, the request id is reported at once,
+and the engine goes idle. A lease that does not fit the staging budget stays in place.
+
+Every request id is reported exactly once, and never while a staging copy still reads
+its blocks: a lease released mid-copy is reported when the copy finishes.
+
+A lease is servable only IN PLACE or STAGED; a pull for a lease still STAGING waits
+(the block server parks it). Time is passed in; the table holds no clock.
+Thread-safe: the block server thread, the engine's step thread and the staging
+thread all use it.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -24,27 +39,64 @@ class Lease:
     block_ids: tuple[int, ...]
     num_tokens: int
     expires_at: float
+    # One contiguous tensor per layer, blocks in lease order; None while in place or staging.
+    staged: tuple[torch.Tensor, ...] | None = None
+    staged_bytes: int = 0  # charged to the staging budget (also while the copy runs)
 
 
 class LeaseTable:
-    """One writer per lease: granted by the engine thread, ended by whoever comes first."""
+    """One writer per lease: granted by the engine thread, staged by the staging thread,
+    ended by whoever comes first."""
 
     def __init__(self):
         self._leases: dict[str, Lease] = {}
+        self._staging: set[str] = set()  # handles whose copy is running
+        self._ending: dict[str, tuple[str, int]] = {}  # ended while staging: (request id, bytes)
         self._ended_request_ids: set[str] = set()
         self._lock = threading.Lock()
         self.num_granted = 0
         self.num_released = 0
         self.num_expired = 0
+        self.num_staged = 0
+        self.staged_bytes = 0  # staged and being staged: what the staging budget is charged
 
-    def grant(self, lease: Lease) -> None:
+    def grant(self, lease: Lease, staging_bytes: int = 0) -> None:
+        """``staging_bytes`` > 0: a copy of that size will follow (``finish_staging``) and
+        counts against the budget from now on; nothing is served before it."""
         with self._lock:
+            if staging_bytes > 0:
+                lease = replace(lease, staged_bytes=staging_bytes)
+                self._staging.add(lease.handle)
+                self.staged_bytes += staging_bytes
             self._leases[lease.handle] = lease
             self.num_granted += 1
 
-    def get(self, handle: str) -> Lease | None:
+    def finish_staging(self, handle: str, layers: tuple[torch.Tensor, ...] | None) -> bool:
+        """The copy is done (``layers``) or failed (None: the lease stays in place).
+
+        Returns whether the lease is still live."""
         with self._lock:
-            return self._leases.get(handle)
+            self._staging.discard(handle)
+            ending = self._ending.pop(handle, None)
+            if ending is not None:
+                request_id, reserved = ending
+                self.staged_bytes -= reserved
+                self._ended_request_ids.add(request_id)
+                return False
+            lease = self._leases[handle]
+            if layers is None:
+                self.staged_bytes -= lease.staged_bytes
+                self._leases[handle] = replace(lease, staged_bytes=0)
+            else:
+                self._leases[handle] = replace(lease, staged=layers)
+                self.num_staged += 1
+                self._ended_request_ids.add(lease.request_id)  # the engine's blocks are free now
+            return True
+
+    def get(self, handle: str) -> Lease | None:
+        """A servable lease: in place or staged, never one whose copy is running."""
+        with self._lock:
+            return None if handle in self._staging else self._leases.get(handle)
 
     def release(self, handle: str) -> bool:
         """End a lease early; False when it is unknown or already ended."""
@@ -52,7 +104,7 @@ class LeaseTable:
             lease = self._leases.pop(handle, None)
             if lease is None:
                 return False
-            self._ended_request_ids.add(lease.request_id)
+            self._end(lease)
             self.num_released += 1
             return True
 
@@ -66,9 +118,19 @@ class LeaseTable:
             expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
             for lease in expired:
                 del self._leases[lease.handle]
-                self._ended_request_ids.add(lease.request_id)
+                self._end(lease)
             self.num_expired += len(expired)
             return expired
+
+    def _end(self, lease: Lease) -> None:
+        """Caller holds the lock and has removed the lease."""
+        if lease.handle in self._staging:
+            # Reported, and its reservation returned, once the copy stops reading.
+            self._ending[lease.handle] = (lease.request_id, lease.staged_bytes)
+        elif lease.staged is not None:
+            self.staged_bytes -= lease.staged_bytes  # engine blocks were reported when staged
+        else:
+            self._ended_request_ids.add(lease.request_id)
 
     def take_ended_request_ids(self) -> set[str]:
         """Request ids whose blocks vLLM may free now; each is returned once."""

@@ -19,6 +19,10 @@ class ConnectorSettings:
     pull_timeout_seconds: float = 10.0
     # A pull that races ahead of its lease grant waits this long for it.
     park_seconds: float = 5.0
+    # Host memory a producer may use to copy leased blocks out of the engine's cache, so the
+    # engine frees them at once instead of stepping until the lease ends; 0 keeps every
+    # lease in place.
+    staging_bytes: int = 1 << 30
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":

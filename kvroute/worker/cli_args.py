@@ -31,6 +31,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}-port", type=int, default=0, help=f"{name} port (default: a free one)")
     parser.add_argument("--lease-seconds", type=float, default=defaults.lease_seconds,
                         help="producer: free unpulled blocks after this long (default: %(default)s)")
+    parser.add_argument("--lease-staging-gib", type=float, default=defaults.lease_staging_gib,
+                        help="producer: host memory for copies of leased blocks, so the engine frees "
+                             "them at once; 0 holds them in the engine (default: %(default)s)")
     parser.add_argument("--pull-timeout-seconds", type=float, default=defaults.pull_timeout_seconds,
                         help="consumer: recompute when a pull takes longer (default: %(default)s)")
     parser.add_argument("--omp-threads-bind", default=None,
@@ -49,6 +52,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_events_port=args.kv_events_port, orchestrators=orchestrator_addresses(args),
         heartbeat_seconds=args.heartbeat_seconds,
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
+        lease_staging_gib=args.lease_staging_gib,
         pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind)
 
 

@@ -29,6 +29,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_bind": tcp(settings.bind_host, settings.transfer_port),
             "transfer_address": settings.transfer_address,
             "lease_seconds": settings.lease_seconds,
+            "staging_bytes": int(settings.lease_staging_gib * 2**30),
             "pull_timeout_seconds": settings.pull_timeout_seconds,
         },
     )

@@ -28,6 +28,7 @@ class WorkerSettings:
     orchestrators: tuple[str, ...] = ()  # registration/heartbeat endpoints to report to
     heartbeat_seconds: float = 1.0
     lease_seconds: float = 30.0
+    lease_staging_gib: float = 1.0  # host copies of leased blocks; 0: hold them in the engine
     pull_timeout_seconds: float = 10.0
     enforce_eager: bool = True
     seed: int = 0
@@ -39,6 +40,8 @@ class WorkerSettings:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.lease_staging_gib < 0:
+            raise ValueError("lease_staging_gib must not be negative")
 
     def with_ports(self) -> "WorkerSettings":
         """Concrete ports for every endpoint left at 0, and a worker id if missing."""
