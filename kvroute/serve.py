@@ -34,8 +34,10 @@ logger = logging.getLogger("kvroute.serve")
 class PoolSettings:
     prefill_workers: int = setting(1, "prefill workers to start")
     decode_workers: int = setting(1, "decode workers to start")
-    kv_cache_gib: float = setting(0.25, "each worker's KV cache in GiB, fractions allowed")
-    dtype: str = setting("bfloat16", "engine dtype of the workers")
+    # 0.5 GiB holds 8192 tokens of SmolLM2 in float32 (46,080 bytes a token), the default max_model_len.
+    kv_cache_gib: float = setting(0.5, "each worker's KV cache in GiB, fractions allowed")
+    dtype: str = setting("auto", "engine dtype of the workers; auto: bfloat16 where the hardware has "
+                                 "bf16 instructions (GPUs, AVX512-BF16/AMX CPUs), else float32")
     worker_start_timeout: float = setting(600.0, "seconds to wait for the workers to register")
     log_dir: str = setting("", "folder for the workers' logs; default: a new temporary folder")
 

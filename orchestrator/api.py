@@ -94,8 +94,7 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
 
     @public.get("/metrics")
     async def metrics():
-        for role in ("prefill", "decode"):
-            service.metrics.workers.labels(role).set(len(service.fleet.live(role)))
+        service.metrics.refresh_fleet(service.fleet, service.index)
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/v1/decisions")

@@ -33,6 +33,9 @@ class PrefixIndex:
         self._owners: dict[identity.BlockHash, int] = {}  # block → bitmask of worker slots
         self._workers: dict[str, _WorkerEntries] = {}
         self._slot_owner: dict[int, str] = {}  # bit → worker id
+        # Blocks each worker's engine evicted (BlockRemoved), since this orchestrator started;
+        # kept across resyncs and restarts so it only ever grows.
+        self._evicted: dict[str, int] = {}
 
     # ------------------------------------------------------------ writes
 
@@ -57,6 +60,7 @@ class PrefixIndex:
             for record in kv_events.stored_blocks(event):
                 self._store(worker_id, entries, record, event.lora_name)
         elif isinstance(event, kv_events.BlockRemoved):
+            self._evicted[worker_id] = self._evicted.get(worker_id, 0) + len(event.block_hashes)
             for engine_hash in event.block_hashes:
                 ours = entries.ours.pop(engine_hash, None)
                 if ours is not None:
@@ -108,6 +112,10 @@ class PrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         entries = self._workers.get(worker_id)
         return len(entries.ours) if entries else 0
+
+    def num_evicted(self, worker_id: str) -> int:
+        """Blocks the worker's engine reported evicted while this index followed it."""
+        return self._evicted.get(worker_id, 0)
 
     def match(self, block_hashes: list[identity.BlockHash]) -> dict[str, int]:
         """Per worker with at least one match: how many leading blocks it holds."""

@@ -13,6 +13,12 @@ seen finish, and those it saw finish since the worker's last heartbeat::
 The heartbeat still counts work that other orchestrator replicas sent, so it is never
 ignored; what this orchestrator knows better replaces the stale part.
 
+Decode room is corrected the same way: blocks reserved for requests sent since the
+heartbeat are taken off its free count, and blocks of requests that finished since it
+(and were already counted there) are given back::
+
+    free = heartbeat's free - reserved since that heartbeat + released since it
+
 Pure: no clock, no socket. Single writer: the orchestrator's event loop (the service
 records dispatches and finished prefills, the fleet records heartbeats).
 """
@@ -29,10 +35,18 @@ class QueuedWork:
 
 
 @dataclass
+class _Reservation:
+    blocks: int
+    in_heartbeat: bool = False  # a heartbeat arrived after the request was sent
+
+
+@dataclass
 class _WorkerLedger:
     pending: dict[str, int] = field(default_factory=dict)  # request id -> prefill tokens
     finished_requests: int = 0  # since the last heartbeat
     finished_tokens: int = 0
+    reservations: dict[str, _Reservation] = field(default_factory=dict)  # request id -> decode blocks
+    released_blocks: int = 0  # since the last heartbeat, of reservations it had counted
 
 
 class LoadLedger:
@@ -51,11 +65,24 @@ class LoadLedger:
         ledger.finished_requests += 1
         ledger.finished_tokens += ledger.pending.pop(request_id)
 
+    def reserved(self, worker_id: str, request_id: str, blocks: int) -> None:
+        """``worker_id`` will hold up to ``blocks`` KV blocks for ``request_id`` while it decodes."""
+        self._ledger(worker_id).reservations[request_id] = _Reservation(max(0, blocks))
+
+    def released(self, worker_id: str, request_id: str) -> None:
+        """The request ended on ``worker_id``; vLLM freed its blocks."""
+        ledger = self._workers.get(worker_id)
+        reservation = ledger.reservations.pop(request_id, None) if ledger else None
+        if reservation is not None and reservation.in_heartbeat:
+            ledger.released_blocks += reservation.blocks
+
     def heartbeat(self, worker_id: str) -> None:
-        """A fresh report from the worker already accounts for every prefill finished before it."""
+        """A fresh report from the worker already accounts for everything before it."""
         ledger = self._workers.get(worker_id)
         if ledger is not None:
-            ledger.finished_requests = ledger.finished_tokens = 0
+            ledger.finished_requests = ledger.finished_tokens = ledger.released_blocks = 0
+            for reservation in ledger.reservations.values():
+                reservation.in_heartbeat = True
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -68,6 +95,13 @@ class LoadLedger:
             num_waiting=max(len(ledger.pending), reported.num_waiting - ledger.finished_requests),
             num_queued_prefill_tokens=max(sum(ledger.pending.values()),
                                           reported.num_queued_prefill_tokens - ledger.finished_tokens))
+
+    def free_blocks(self, worker_id: str, reported_free: int, total: int) -> int:
+        ledger = self._workers.get(worker_id)
+        if ledger is None:
+            return reported_free
+        unreported = sum(r.blocks for r in ledger.reservations.values() if not r.in_heartbeat)
+        return max(0, min(total, reported_free - unreported + ledger.released_blocks))
 
     def _ledger(self, worker_id: str) -> _WorkerLedger:
         return self._workers.setdefault(worker_id, _WorkerLedger())

@@ -45,6 +45,10 @@ class Metrics:
                                             "requests that reused fewer tokens than the index predicted",
                                             ["worker"], registry=r)
         self.index_blocks = Gauge("kvroute_index_blocks", "blocks indexed per worker", ["worker"], registry=r)
+        self.evicted_blocks = Counter("kvroute_evicted_blocks",
+                                      "blocks a worker's engine evicted from its prefix cache (from its KV events)",
+                                      ["worker"], registry=r)
+        self._evictions_exported: dict[str, int] = {}
         self.transfer_bytes = Counter("kvroute_transfer_bytes", "KV bytes pulled, per link",
                                       ["source", "destination"], registry=r)
         self.transfer_seconds = Histogram("kvroute_transfer_seconds", "time of one KV pull, per link",
@@ -66,6 +70,21 @@ class Metrics:
         self.cached_tokens.labels(prefilling).inc(handoff.prefill_cached_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
+
+    def refresh_fleet(self, fleet, index) -> None:
+        """Gauges read from the fleet and the index when /metrics is scraped."""
+        for role in ("prefill", "decode"):
+            workers = fleet.live(role)
+            self.workers.labels(role).set(len(workers))
+            for worker in workers:
+                self.index_blocks.labels(worker.worker_id).set(index.num_blocks(worker.worker_id))
+                self._export_evictions(worker.worker_id, index.num_evicted(worker.worker_id))
+
+    def _export_evictions(self, worker_id: str, evicted: int) -> None:
+        new = evicted - self._evictions_exported.get(worker_id, 0)
+        if new > 0:
+            self.evicted_blocks.labels(worker_id).inc(new)
+            self._evictions_exported[worker_id] = evicted
 
     def observe_transfer(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(source, destination).inc(num_bytes)

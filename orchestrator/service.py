@@ -35,6 +35,7 @@ from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
 
 DEFAULT_BLOCK_SIZE = 128
+ADMISSION_REPLAN_SECONDS = 0.25  # a quarter of the default heartbeat interval
 
 
 @dataclass
@@ -91,9 +92,11 @@ class CompletionService:
                 self.metrics.rejected.inc()
                 raise APIError(429, f"every worker is at capacity: {decision.reason}", code="overloaded",
                                headers={"Retry-After": "2"})
+            # Re-plan when a request here finishes, or at the latest when new heartbeats
+            # may have arrived: room can also come from work other replicas finished.
             self._capacity_freed.clear()
             try:
-                await asyncio.wait_for(self._capacity_freed.wait(), remaining)
+                await asyncio.wait_for(self._capacity_freed.wait(), min(remaining, ADMISSION_REPLAN_SECONDS))
             except asyncio.TimeoutError:
                 pass
 
@@ -127,7 +130,9 @@ class CompletionService:
                                                                        load.num_queued_prefill_tokens))
         return WorkerView(worker_id=worker.worker_id, role=role, num_running=load.num_running,
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
-                          num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+                          num_free_blocks=self.fleet.ledger.free_blocks(worker.worker_id, load.num_free_blocks,
+                                                                        load.num_total_blocks),
+                          num_total_blocks=load.num_total_blocks,
                           block_size=load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=load.bytes_per_block,
                           in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks)
 
@@ -141,8 +146,7 @@ class CompletionService:
         idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
         self._track(plan, +1)
         prefilling = plan.prefill_worker or plan.decode_worker
-        reused = plan.estimate.reused_tokens if plan.estimate else 0
-        self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused)
+        self._reserve(plan, job, prefilling)
         try:
             async with aclosing(self._until_prefilled(self._tokens(plan, job, handoff), prefilling, job)) as tokens:
                 async for delta in self._detokenize(tokens, job, outcome):
@@ -154,6 +158,7 @@ class CompletionService:
             raise APIError(503, f"{role} worker failed: {error}", code="worker_error") from error
         finally:
             self.fleet.ledger.prefilled(prefilling, job.request_id)
+            self.fleet.ledger.released(plan.decode_worker, job.request_id)
             self._track(plan, -1)
             outcome.cached_tokens = handoff.prefill_cached_tokens
             self._complete(job, plan, handoff, outcome, record, idle_at_start)
@@ -165,6 +170,13 @@ class CompletionService:
                                   self.worker_timeout)
         return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
                                       job.sampling, job.cache_salt, self.worker_timeout)
+
+    def _reserve(self, plan: Plan, job: Job, prefilling: str) -> None:
+        """Tell the ledger what this request will cost its workers until their next heartbeat."""
+        reused = plan.estimate.reused_tokens if plan.estimate else 0
+        self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused)
+        lifetime_tokens = len(job.prompt_token_ids) + max(job.sampling.max_tokens, 0)
+        self.fleet.ledger.reserved(plan.decode_worker, job.request_id, -(-lifetime_tokens // self._block_size()))
 
     async def _until_prefilled(self, chunks: AsyncIterator[wire.GenerateChunk], prefilling: str,
                                job: Job) -> AsyncIterator[wire.GenerateChunk]:

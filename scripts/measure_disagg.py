@@ -6,7 +6,7 @@ One run starts a prefill worker and a decode worker, then measures
    disaggregated path (prefill worker → KV transfer → decode worker), for ~1k and ~4k
    token prompts, plus the disaggregated hand-off gap (first → second token);
 2. the connector's block transfer against a raw pyzmq zero-copy baseline moving the
-   same bytes in the same frames (one per layer), at roughly 8, 32 and 128 MiB;
+   same bytes in the same frames (one per layer), at roughly 12, 32 and 128 MiB;
 3. the real end-to-end hand-off at those sizes: the decode worker's received-byte
    counters and the first → second token gap of ``generate_disaggregated``.
 
@@ -44,6 +44,8 @@ if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from transfer.affinity import parse_cpus, transfer_cpus  # noqa: E402
+
 # Wide enough for the tables when the output goes to a file or pipe.
 console = Console(width=None if sys.stdout.isatty() else 200)
 
@@ -75,17 +77,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--e2e-reps", type=int, default=3, help="disaggregated requests per transfer size")
     parser.add_argument("--ttft-lengths", type=int, nargs="+", default=[1024, 4096],
                         help="prompt lengths (tokens) for TTFT (default: %(default)s)")
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[8, 32, 128],
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[12, 32, 128],
                         help="transfer sizes to approximate with whole blocks (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="engine dtype; auto: bfloat16 where the hardware computes it natively, else "
+                             "float32 (default: %(default)s)")
     parser.add_argument("--prefill-cpus", default="0", help="--omp-threads-bind of the prefill worker")
     parser.add_argument("--decode-cpus", default="1", help="--omp-threads-bind of the decode worker")
+    parser.add_argument("--transfer-cpus", default="",
+                        help="the workers' --transfer-cpus (default: every CPU)")
     parser.add_argument("--receiver-cpus", default=None,
                         help="CPUs of this script's receiving thread in the transfer measurement "
-                             "(default: --decode-cpus, where the real consumer runs)")
+                             "(default: the transfer CPUs, where the real consumer's pulls run)")
     parser.add_argument("--receiver-threads", type=int, default=0,
                         help="torch threads of this process while it scatters pulled blocks "
                              "(default: as many as the receiver CPUs, like the real consumer)")
@@ -119,17 +125,6 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
 
 def fmt(value: float | None, spec: str = ".3f", scale: float = 1.0, suffix: str = "") -> str:
     return "—" if value is None else f"{value * scale:{spec}}{suffix}"
-
-
-def parse_cpus(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in text.split(","):
-        if "-" in part:
-            low, high = part.split("-")
-            cpus.extend(range(int(low), int(high) + 1))
-        elif part.strip():
-            cpus.append(int(part))
-    return cpus
 
 
 def group_pids(root_pid: int) -> list[int]:
@@ -283,6 +278,8 @@ async def disaggregated_request(ctx, prompt: list[int]) -> dict:
         "prefill_cached_tokens": record.prefill_cached_tokens,
         "pull_source_tokens": record.pull_source.num_tokens if record.pull_source else None,
         "decode_bytes_received": received,
+        # The pull as the decode worker's own connector timed it (into the real paged cache).
+        "decode_pull_seconds": record.transfer.seconds if record.transfer and record.transfer.ok else None,
         "decode_blocks_received": after_decode.transfer.blocks_received - before_decode.transfer.blocks_received,
         "decode_pulls_ok": after_decode.transfer.pulls_ok - before_decode.transfer.pulls_ok,
         "decode_pulls_failed": after_decode.transfer.pulls_failed - before_decode.transfer.pulls_failed,
@@ -366,15 +363,12 @@ async def measure_transfers(ctx) -> dict:
     if fake.spec != layout:
         raise RuntimeError(f"stand-in cache layout {fake.spec} differs from the engine's {layout}")
 
-    # The raw sender gets the CPUs of the process hosting the producer's block server (vLLM's
-    # model worker, pinned by --omp-threads-bind), so it competes for cores as the real one does.
+    # Both raw ends get the CPUs the connector's transfer threads and ZeroMQ I/O threads run
+    # on (--transfer-cpus, see transfer.affinity): the raw sender those of the producer's
+    # block server, the receiver those of the consumer's pulls. Same cores, same contention.
     server_pid = listening_pid(ctx.prefill_worker.process.pid, ctx.prefill_worker.transfer_address)
-    sender_cpus = sorted(os.sched_getaffinity(server_pid)) if server_pid else None
-    # The receiving side stands where the real consumer does: vLLM's model worker of the decode
-    # engine, pinned to --decode-cpus with as many torch threads as CPUs there. (Left unpinned,
-    # the receiver lands on the core of the spinning producer now and then, see below, and a
-    # scatter of a few MiB then takes a hundred times longer.)
-    receiver_cpus = parse_cpus(ctx.args.receiver_cpus or ctx.args.decode_cpus)
+    sender_cpus = transfer_cpus(ctx.args.transfer_cpus)
+    receiver_cpus = parse_cpus(ctx.args.receiver_cpus) if ctx.args.receiver_cpus else sender_cpus
     receiver_threads = ctx.args.receiver_threads or len(receiver_cpus)
     console.log(f"layout {layout}; block server in pid {server_pid} on CPUs {sender_cpus} "
                 f"(raw sender pinned alike); receiver on CPUs {receiver_cpus} with {receiver_threads} torch threads")
@@ -597,12 +591,18 @@ async def measure_end_to_end(ctx, transfer: dict) -> dict:
             runs.append(await disaggregated_request(ctx, ctx.prompts.exact(entry["prompt_tokens"])))
             r = runs[-1]
             console.log(f"{key} MiB: hand-off {r['handoff_gap_s']:.3f} s, decode ITL {r['decode_itl_s']:.4f} s, "
+                        f"real consumer pull {fmt(r['decode_pull_seconds'], '.4f', suffix=' s')}, "
                         f"received {r['decode_bytes_received'] / MiB:.1f} MiB "
                         f"(pulls ok {r['decode_pulls_ok']}, failed {r['decode_pulls_failed']})")
         handoff = median([r["handoff_gap_s"] for r in runs])
         itl = median([r["decode_itl_s"] for r in runs])
         received = median([r["decode_bytes_received"] for r in runs])
+        pull = median([r["decode_pull_seconds"] for r in runs])
         results[key] = {
+            "decode_pull_seconds": summary([r["decode_pull_seconds"] for r in runs]),
+            "real_pull_gbps": gbps(received, pull),
+            # The real consumer's pull against the raw pyzmq baseline for the same bytes.
+            "ratio_real_pull_vs_raw": entry["raw"]["median"] / pull if pull and entry["raw"]["median"] else None,
             "prompt_tokens": entry["prompt_tokens"], "bytes_expected": entry["bytes"],
             "decode_bytes_received": summary([r["decode_bytes_received"] for r in runs]),
             "handoff_gap_s": summary([r["handoff_gap_s"] for r in runs]),
@@ -616,6 +616,8 @@ async def measure_end_to_end(ctx, transfer: dict) -> dict:
                               and r["decode_bytes_received"] == entry["bytes"] for r in runs),
             "runs": runs,
         }
+        console.log(f"{key} MiB: real consumer pull {fmt(results[key]['real_pull_gbps'], '.2f', suffix=' GB/s')}, "
+                    f"raw pyzmq / real pull = {fmt(results[key]['ratio_real_pull_vs_raw'], '.2f', suffix='x')}")
     return results
 
 
@@ -731,7 +733,8 @@ class Context:
 
 def worker_args(args: argparse.Namespace, model: str, cpus: str) -> list[str]:
     return ["--model", model, "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib),
-            "--max-model-len", str(args.max_model_len), "--omp-threads-bind", cpus]
+            "--max-model-len", str(args.max_model_len), "--omp-threads-bind", cpus,
+            "--transfer-cpus", args.transfer_cpus]
 
 
 async def measure(args: argparse.Namespace, model: str, workers: dict, results: dict) -> None:

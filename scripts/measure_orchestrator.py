@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests per mode and round in the throughput test (default: %(default)s)")
     parser.add_argument("--throughput-rounds", type=int, default=3,
                         help="alternating rounds per mode in the throughput test (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="engine dtype; auto: bfloat16 where the hardware computes it natively, else "
+                             "float32 (default: %(default)s)")
     parser.add_argument("--policy", default="least_loaded",
                         help="the orchestrator's placement policy (default: %(default)s, a baseline that always "
                              "prefills on the prefill worker and decodes on the decode worker, i.e. the same "

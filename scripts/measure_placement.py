@@ -81,13 +81,16 @@ from kvroute.bench.workloads import (RepositoryAssistantConfig, WorkloadRequest,
                                      generate_workload, load_tokenizer, prompt_tokens, repository_prefixes,
                                      tokenizer_counter)
 from kvroute.netutil import free_port  # noqa: E402
+from kvroute.worker.dtype import resolve_here  # noqa: E402
 
 console = Console(width=170)  # the table is wide; also when the output goes to a file
 
 ALL_POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_affinity", "block_cost")
 POLICY_HEADER = "X-KVRoute-Policy"
 MODEL = "SmolLM2-135M-Instruct"
-BYTES_PER_TOKEN = 23_040  # SmolLM2-135M in bf16: 30 layers x 3 KV heads x 64 dims x K,V x 2 bytes
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K,V, times the dtype's bytes.
+KV_ELEMENTS_PER_TOKEN = 30 * 3 * 64 * 2
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 PREFILL_WORKERS, DECODE_WORKERS = 2, 1
 MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 900
@@ -116,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-fraction", type=float, default=0.4,
                         help="share of the prefix working set one worker's cache holds when "
                              "--kv-cache-gib is not given (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto",
+                        help="engine dtype; auto: bfloat16 where the CPU computes it natively, else float32 "
+                             "(default: %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="orchestrator port (default: a free one)")
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="on a shared machine: wait up to this many seconds before starting the cluster, "
@@ -135,13 +141,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Cluster:
     """``python -m kvroute serve`` in its own session; stopped with SIGINT like Ctrl-C."""
 
-    def __init__(self, port: int, kv_cache_gib: float, log_path: Path):
+    def __init__(self, port: int, kv_cache_gib: float, dtype: str, log_path: Path):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.args = [sys.executable, "-m", "kvroute", "serve", "--port", str(port),
                      "--prefill-workers", str(PREFILL_WORKERS), "--decode-workers", str(DECODE_WORKERS),
-                     "--allow-policy-override", "--kv-cache-gib", f"{kv_cache_gib:.4f}", "--dtype", "bfloat16",
+                     "--allow-policy-override", "--kv-cache-gib", f"{kv_cache_gib:.4f}", "--dtype", dtype,
                      "--max-model-len", str(MAX_MODEL_LEN), "--log-dir", str(log_path.parent / "workers")]
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -634,19 +640,21 @@ def main(argv: list[str] | None = None) -> int:
     prefix_tokens = estimate_prefix_tokens(repository_prefixes(config, count), tokenizer)
     longest_prompt = max(prompt_tokens(tokenizer, r.messages) for r in workload)
     working_set = sum(prefix_tokens)
-    auto_gib = (args.cache_fraction * working_set + longest_prompt + args.max_tokens) * BYTES_PER_TOKEN / 2**30
+    dtype = resolve_here(args.dtype)
+    bytes_per_token = KV_ELEMENTS_PER_TOKEN * DTYPE_BYTES[dtype]
+    auto_gib = (args.cache_fraction * working_set + longest_prompt + args.max_tokens) * bytes_per_token / 2**30
     kv_cache_gib = args.kv_cache_gib or round(auto_gib, 4)
-    per_worker_tokens = kv_cache_gib * 2**30 / BYTES_PER_TOKEN
+    per_worker_tokens = kv_cache_gib * 2**30 / bytes_per_token
     popularity = Counter(r.repository for r in workload)
     console.print(f"workload: {len(workload)} requests over {workload[-1].arrival_seconds:.0f} s, "
                   f"{config.repositories} repositories, prefixes {min(prefix_tokens)}-{max(prefix_tokens)} tokens, "
-                  f"working set {working_set} tokens ({working_set * BYTES_PER_TOKEN / 2**30:.3f} GiB); "
+                  f"working set {working_set} tokens ({working_set * bytes_per_token / 2**30:.3f} GiB); "
                   f"KV cache per worker {kv_cache_gib:.3f} GiB = {per_worker_tokens:.0f} tokens "
                   f"({per_worker_tokens / working_set:.0%} of the working set)", highlight=False)
 
     waited = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else 0.0
     port = args.port or free_port()
-    cluster = Cluster(port, kv_cache_gib, output / "serve.log")
+    cluster = Cluster(port, kv_cache_gib, dtype, output / "serve.log")
     console.print(f"cluster: {' '.join(cluster.args[1:])}", highlight=False)
     rows_by_policy: dict[str, list[Row]] = {}
     summaries: dict[str, dict] = {}
@@ -693,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "kv_cache_gib_used": kv_cache_gib, "cluster_command": cluster.args[1:]},
+                     "kv_cache_gib_used": kv_cache_gib, "dtype": dtype, "cluster_command": cluster.args[1:]},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "waited_for_quiet_s": waited,
                     "load_average_at_end": os.getloadavg()},
         "aborted": aborted,

@@ -338,3 +338,11 @@ def test_prompt_digest_separates_salt_and_tokens():
     assert prompt_digest([1, 2], None) != prompt_digest([1, 2, 0], None)
     assert prompt_digest([256], None) != prompt_digest([1, 0], None)
     assert re.fullmatch(r"[0-9a-f]{32}", prompt_digest([5], "x"))
+
+
+@pytest.mark.parametrize("num_scheduled_tokens, idle", [(0, True), (1, False), (512, False)])
+def test_a_step_that_computes_nothing_is_marked_idle(num_scheduled_tokens, idle):
+    """The worker half waits for pulls in such steps instead of letting vLLM spin."""
+    metadata = new_scheduler().build_connector_meta(num_scheduled_tokens)
+    assert metadata.idle_step is idle
+    assert metadata.is_empty() is not idle

@@ -402,3 +402,16 @@ def test_resident_snapshot_after_all_blocks_cleared():
     for index in (direct, loaded):
         assert match(index, prompt, S) == {}
         assert match(index, later, S) == {"w1": 2}
+
+
+def test_evictions_are_counted_per_worker_and_survive_a_resync():
+    engine = FakeEngine(1)
+    index = fresh("w1", "w2")
+    prompt = tokens(4, seed=3)
+    index.apply("w1", engine.store(prompt, S))
+    index.apply("w1", engine.remove(prompt, S, [3]))
+    index.apply("w1", engine.remove(prompt, S, [1, 2]))
+    assert index.num_evicted("w1") == 3 and index.num_evicted("w2") == 0
+    assert match(index, prompt, S) == {"w1": 1}
+    index.reset_worker("w1", "w1-inc2")  # a snapshot reload or a restart: entries go, the count stays
+    assert index.num_evicted("w1") == 3 and index.num_blocks("w1") == 0

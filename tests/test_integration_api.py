@@ -48,6 +48,8 @@ def test_models_and_health(client, stack):
     assert httpx.get(stack.url + "/health").json()["status"] == "ok"
     metrics = httpx.get(stack.url + "/metrics").text
     assert "kvroute_time_to_first_token_seconds" in metrics
+    assert 'kvroute_workers{role="decode"} 1.0' in metrics
+    assert 'kvroute_index_blocks{worker="prefill-' in metrics and 'kvroute_index_blocks{worker="decode-' in metrics
 
 
 def test_chat_completion(client):

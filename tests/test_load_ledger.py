@@ -66,3 +66,48 @@ def test_forget_drops_everything_of_a_worker(ledger):
 def test_negative_prefill_tokens_count_as_zero(ledger):
     ledger.dispatched("w1", "r1", -3)
     assert ledger.queued("w1", IDLE) == QueuedWork(1, 0)
+
+
+# ---------------------------------------------------------------- decode room
+
+
+def test_blocks_reserved_since_the_heartbeat_are_not_free():
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    assert ledger.free_blocks("d1", reported_free=40, total=91) == 28
+
+
+def test_a_heartbeat_takes_over_the_reservation():
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    ledger.heartbeat("d1")
+    assert ledger.free_blocks("d1", reported_free=28, total=91) == 28
+
+
+def test_blocks_of_a_request_that_ended_after_the_heartbeat_are_free_again():
+    # The 429s this prevents: the heartbeat still shows a finished request's blocks as used.
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    ledger.heartbeat("d1")
+    ledger.released("d1", "r1")
+    assert ledger.free_blocks("d1", reported_free=7, total=91) == 19
+    ledger.heartbeat("d1")
+    assert ledger.free_blocks("d1", reported_free=19, total=91) == 19
+
+
+def test_a_request_that_ended_before_any_heartbeat_saw_it_changes_nothing():
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    ledger.released("d1", "r1")
+    ledger.released("d1", "r1")
+    assert ledger.free_blocks("d1", reported_free=40, total=91) == 40
+
+
+def test_free_blocks_stay_within_the_cache():
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 50)
+    assert ledger.free_blocks("d1", reported_free=10, total=91) == 0
+    ledger.heartbeat("d1")
+    ledger.released("d1", "r1")
+    assert ledger.free_blocks("d1", reported_free=80, total=91) == 91
+    assert ledger.free_blocks("unknown", reported_free=5, total=91) == 5

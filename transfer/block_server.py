@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvroute import wire
+from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.leases import LeaseTable
@@ -46,13 +47,16 @@ class BlockServer:
     POLL_MS = 5
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
-                 counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None):
+                 counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None,
+                 context: zmq.Context | None = None, cpus: list[int] | None = None):
+        """``cpus``: where the server thread runs (default: where its creator runs)."""
         self.cache = cache
         self.pull_records = pull_records or PullRecords()
         self.leases = leases
         self.counters = counters
         self.park_seconds = park_seconds
-        self._context = zmq.Context.instance()
+        self._context = context or zmq.Context.instance()
+        self._cpus = cpus
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind_address)
@@ -70,6 +74,8 @@ class BlockServer:
         self._socket.close(linger=0)
 
     def _run(self) -> None:
+        if self._cpus:
+            pin_current_thread(self._cpus)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stopping.is_set():

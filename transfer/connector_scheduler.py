@@ -126,8 +126,9 @@ class ConnectorScheduler:
 
     # ---------------------------------------------------------------- per step
 
-    def build_connector_meta(self) -> KVRouteConnectorMetadata:
+    def build_connector_meta(self, num_scheduled_tokens: int = 1) -> KVRouteConnectorMetadata:
         metadata, self._pending = self._pending, KVRouteConnectorMetadata()
+        metadata.idle_step = num_scheduled_tokens == 0
         return metadata
 
 

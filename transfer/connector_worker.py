@@ -11,6 +11,7 @@ the pull is reported finished. A failed pull is reported as failed, and vLLM
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import zmq
 
 from kvroute.wire import PullRecord
 from transfer.block_client import PullFailed, pull_blocks, release_lease
+from transfer.affinity import pin_current_thread, transfer_context, transfer_cpus
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
@@ -30,10 +32,13 @@ from transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
+GIL_SWITCH_INTERVAL_SECONDS = 0.0002
+IDLE_POLL_WAIT_SECONDS = 0.01
+
 
 class ConnectorWorker:
     """Engine-thread methods: register, start, take_results. Pull threads only append
-    to the result sets under ``_lock``; the staging thread only finishes stagings."""
+    to the result sets under ``_lock``."""
 
     def __init__(self, settings: ConnectorSettings, num_blocks: int, block_size: int):
         self.settings = settings
@@ -44,31 +49,48 @@ class ConnectorWorker:
         self.pull_records = PullRecords()
         self.cache: PagedKVCache | None = None
         self.server: BlockServer | None = None
-        self._context = zmq.Context.instance()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull")
-        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-stage")
+        cpus = transfer_cpus(settings.transfer_cpus)
+        self._context = transfer_context(cpus)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull",
+                                        initializer=pin_current_thread, initargs=(cpus,))
+        self._cpus = cpus
         self._lock = threading.Lock()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
+        self._load_ended = threading.Event()
+        self._active_loads = 0
+        self._idle_step = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # The block server and pull threads share the GIL with vLLM's model-runner thread,
+        # which polls for work without pause while requests wait on transfers. At Python's
+        # default 5 ms switch interval each of a pull's per-layer GIL handoffs (~2 per
+        # layer) can wait 5 ms: ~100 ms per pull however small. 0.2 ms bounds that to ~10 ms.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
-                                  self.counters, self.settings.park_seconds, self.pull_records)
+                                  self.counters, self.settings.park_seconds, self.pull_records,
+                                  context=self._context, cpus=self._cpus)
         self.server.start()
-        logger.info("kvroute transfer endpoint on %s (layout %s)", self.settings.transfer_bind, self.cache.spec)
+        logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s",
+                    self.settings.transfer_bind, self.cache.spec, self._cpus)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
+        self._idle_step = metadata.idle_step
         for grant in metadata.grants:
             lease = Lease(grant.handle, grant.request_id, grant.block_ids, grant.num_tokens,
                           now + self.settings.lease_seconds)
             staging_bytes = self._staging_room(len(grant.block_ids))
             self.leases.grant(lease, staging_bytes=staging_bytes)
             if staging_bytes:
-                self._stager.submit(self._stage, lease)
+                # On the engine's own thread: a few milliseconds of copying, where a helper
+                # thread would wait for the GIL at every layer (see ``register``).
+                self._stage(lease)
         for load in metadata.loads:
             self.counters.add(active_pulls=1)
+            with self._lock:
+                self._active_loads += 1
             self._pool.submit(self._pull, load)
         for source, reason in metadata.releases:
             self._pool.submit(release_lease, self._context, source.address, source.handle, reason)
@@ -92,6 +114,7 @@ class ConnectorWorker:
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
+        self._wait_while_only_polling()
         for lease in self.leases.expire(time.monotonic()):
             logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
         finished_sending = self.leases.take_ended_request_ids()
@@ -132,10 +155,22 @@ class ConnectorWorker:
         self.counters.add(active_pulls=-1)
         with self._lock:
             (self._failed_loads if failed else self._finished_loads).add(request_id)
+            self._active_loads -= 1
+        self._load_ended.set()
+
+    def _wait_while_only_polling(self) -> None:
+        """In a step that computes nothing, wait briefly for a pull to end instead of
+        returning at once. vLLM re-polls without pause while requests wait for their KV,
+        and that loop would take the core (and the GIL) from the pulls it waits on; a
+        pull that ends wakes the wait at once, so completions are not delayed."""
+        with self._lock:
+            waiting = self._idle_step and self._active_loads > 0 and not self._finished_loads and not self._failed_loads
+            self._load_ended.clear()
+        if waiting:
+            self._load_ended.wait(IDLE_POLL_WAIT_SECONDS)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._stager.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.stop()
 

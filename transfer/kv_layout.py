@@ -3,8 +3,9 @@
 vLLM hands the connector one tensor per attention layer. Where the block dimension
 sits depends on the attention backend (the CPU backend's layout differs from the GPU
 ones), so it is read from the tensors, never assumed. Gather and scatter are one
-vectorised ``index_select`` / ``index_copy_`` per layer: no per-block Python loop.
-Blocks are moved as opaque bytes, in wide elements (see ``PagedKVCache._views``).
+vectorised copy per layer, no per-block Python loop: ``index_select`` in wide elements
+for gathers (see ``PagedKVCache._views``), and for scatters into host memory numpy's
+row-wise fancy assignment. Blocks always move as opaque bytes.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ class PagedKVCache:
 
     def scatter_layer(self, layer_index: int, block_ids: torch.Tensor, data: torch.Tensor) -> None:
         """Write contiguous blocks (as produced by ``gather_layer``) into one layer."""
+        layer = self.layers[layer_index]
+        if layer.is_contiguous() and layer.device.type == "cpu":
+            # numpy's fancy assignment copies whole rows with memcpy whatever their alignment;
+            # received frames are often only 8-byte aligned, which halves the wide-element path.
+            rows = self._wire_rows(layer, self.num_blocks).numpy()
+            rows[(slice(None),) * self.block_dim + (block_ids.numpy(),)] = self._wire_rows(data, len(block_ids)).numpy()
+            return
         layer, wire = self._views(layer_index, data, len(block_ids))
         layer.index_copy_(self.block_dim, block_ids, wire)
 
@@ -93,8 +101,8 @@ class PagedKVCache:
         """The layer and a wire buffer of ``num_blocks`` blocks, viewed alike for copying.
 
         Only bytes move, so a contiguous layer is viewed as rows of the widest element
-        that divides a block's bytes: indexed copies then move 16 bytes per element
-        instead of 2, which makes them several times faster on CPU. A non-contiguous
+        that divides a block's bytes and both start addresses: indexed copies then move
+        16 bytes per element instead of 2, several times faster on CPU. A non-contiguous
         layer keeps its own dtype and shape."""
         layer = self.layers[layer_index]
         if not layer.is_contiguous():

@@ -20,8 +20,8 @@ its blocks: a lease released mid-copy is reported when the copy finishes.
 
 A lease is servable only IN PLACE or STAGED; a pull for a lease still STAGING waits
 (the block server parks it). Time is passed in; the table holds no clock.
-Thread-safe: the block server thread, the engine's step thread and the staging
-thread all use it.
+Thread-safe: the block server thread, the pull threads and the engine's step thread
+all use it.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Lease:
 
 
 class LeaseTable:
-    """One writer per lease: granted by the engine thread, staged by the staging thread,
-    ended by whoever comes first."""
+    """One writer per lease: granted and staged by the engine thread, ended by whoever
+    comes first."""
 
     def __init__(self):
         self._leases: dict[str, Lease] = {}

@@ -35,6 +35,8 @@ class KVRouteConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     # Consumer: leases to give back without pulling (full local hit, abort, rejection).
     releases: list[tuple[PullSource, str]] = field(default_factory=list)
+    # The step computes nothing: vLLM is only polling for finished transfers.
+    idle_step: bool = False
 
     def is_empty(self) -> bool:
-        return not (self.grants or self.loads or self.releases)
+        return not (self.grants or self.loads or self.releases or self.idle_step)

@@ -23,6 +23,9 @@ class ConnectorSettings:
     # engine frees them at once instead of stepping until the lease ends; 0 keeps every
     # lease in place.
     staging_bytes: int = 1 << 30
+    # CPUs of the transfer threads and their ZeroMQ I/O thread, e.g. "2-3"; empty: every CPU
+    # (see transfer.affinity).
+    transfer_cpus: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":

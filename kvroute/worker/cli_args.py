@@ -14,7 +14,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("KVROUTE_MODEL"),
                         help="model folder or hub id (default: SmolLM2-135M-Instruct, prepared on demand)")
     parser.add_argument("--worker-id", default="", help="stable name of this worker (default: role + random)")
-    parser.add_argument("--dtype", default=defaults.dtype, help="engine dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="engine dtype; auto: bfloat16 where the hardware has bf16 instructions, "
+                             "else float32 (default: %(default)s)")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib,
                         help="KV cache size in GiB, fractions allowed (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: engine's)")
@@ -38,22 +40,27 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consumer: recompute when a pull takes longer (default: %(default)s)")
     parser.add_argument("--omp-threads-bind", default=None,
                         help="CPU cores for the engine's OpenMP threads, e.g. '0' or '0-3' (CPU builds)")
+    parser.add_argument("--transfer-cpus", default="",
+                        help="CPUs for the KV transfer threads, e.g. '2-3', kept apart from the engine's "
+                             "cores (default: every CPU)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
 
 def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
     from kvroute.model_prep import resolve_model
+    from kvroute.worker.dtype import resolve_here
 
     return WorkerSettings(
-        role=role, model=resolve_model(args.model), worker_id=args.worker_id, dtype=args.dtype,
+        role=role, model=resolve_model(args.model), worker_id=args.worker_id, dtype=resolve_here(args.dtype),
         kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, max_model_len=args.max_model_len,
         host=args.host, bind_host=args.bind_host, rpc_port=args.rpc_port,
         kv_events_port=args.kv_events_port, orchestrators=orchestrator_addresses(args),
         heartbeat_seconds=args.heartbeat_seconds,
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
         lease_staging_gib=args.lease_staging_gib,
-        pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind)
+        pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind,
+        transfer_cpus=args.transfer_cpus)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

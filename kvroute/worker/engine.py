@@ -30,6 +30,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_address": settings.transfer_address,
             "lease_seconds": settings.lease_seconds,
             "staging_bytes": int(settings.lease_staging_gib * 2**30),
+            "transfer_cpus": settings.transfer_cpus,
             "pull_timeout_seconds": settings.pull_timeout_seconds,
         },
     )

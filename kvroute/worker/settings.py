@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from kvroute.netutil import free_port, tcp
+from transfer.affinity import parse_cpus
 
 ROLES = ("prefill", "decode")
 
@@ -16,8 +17,8 @@ class WorkerSettings:
     role: str
     model: str
     worker_id: str = ""
-    dtype: str = "bfloat16"
-    kv_cache_gib: float = 0.25
+    dtype: str = "auto"  # see kvroute.worker.dtype
+    kv_cache_gib: float = 0.5  # 8192 tokens of SmolLM2 in float32
     block_size: int | None = None  # None: the engine's default (128 on CPU)
     max_model_len: int = 8192
     host: str = "127.0.0.1"  # address other processes use to reach this worker
@@ -33,6 +34,7 @@ class WorkerSettings:
     enforce_eager: bool = True
     seed: int = 0
     omp_threads_bind: str | None = None
+    transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
@@ -42,6 +44,7 @@ class WorkerSettings:
             raise ValueError("kv_cache_gib must be positive")
         if self.lease_staging_gib < 0:
             raise ValueError("lease_staging_gib must not be negative")
+        parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
 
     def with_ports(self) -> "WorkerSettings":
         """Concrete ports for every endpoint left at 0, and a worker id if missing."""
