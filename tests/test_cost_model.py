@@ -183,8 +183,33 @@ def test_calibrated_model_carries_fits_and_links_and_leaves_the_base_alone():
     calibration.observe_link("p0", "d0", 10_000_000, 0.011)
     model = calibration.calibrated_model()
     assert model.coefficients_for("prefill").per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
-    assert model.coefficients_for("decode") == cost.DEFAULT_PREFILL
+    # No decode prefill was seen: the decode class borrows the pooled fit, not the defaults.
+    assert model.coefficients_for("decode").per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
     assert model.link("p0", "d0").bandwidth_bytes_per_second == pytest.approx(1e9)
     assert model.decode_step_seconds == 0.03
     assert calibration.base.prefill_by_class == {} and calibration.base.links == {}
     assert calibrated_model(replace(model), calibration.prefill, calibration.links) == model
+
+
+def test_a_class_without_enough_points_borrows_the_pooled_fit():
+    """Start-up defaults can be an order of magnitude off; the other pool's fit is not."""
+    calibrator = PrefillCalibrator(min_points=8)
+    points = list(noisy_prefills(40, noise=0.0))
+    for new, cached, seconds in points[:37]:
+        calibrator.observe("prefill", new, cached, seconds)
+    for new, cached, seconds in points[37:]:  # 3 points: too few for a fit of its own
+        calibrator.observe("decode", new, cached, seconds)
+    assert set(calibrator.fitted()) == {"prefill"}
+    pooled = calibrator.pooled()
+    assert pooled.per_token_seconds == pytest.approx(TRUE_PREFILL.per_token_seconds)
+    model = calibrated_model(CostModel(), calibrator, LinkCalibrator())
+    assert model.coefficients_for("decode") == pooled
+    assert model.coefficients_for("prefill") == calibrator.fitted()["prefill"]
+
+
+def test_no_pooled_fit_before_enough_points_anywhere():
+    calibrator = PrefillCalibrator(min_points=8)
+    for new, cached, seconds in noisy_prefills(7):
+        calibrator.observe("decode", new, cached, seconds)
+    assert calibrator.pooled() is None
+    assert calibrated_model(CostModel(), calibrator, LinkCalibrator()).coefficients_for("decode") == cost.DEFAULT_PREFILL
