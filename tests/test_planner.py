@@ -184,3 +184,15 @@ def test_decision_time_at_a_thousand_workers():
         timings.append(time.perf_counter() - started)
     # ~2.5 ms on an idle core; the bound is generous because CI machines are shared.
     assert statistics.median(timings) < 0.020
+
+
+def test_a_gap_just_over_the_bound_does_not_lose_to_a_far_longer_ttft():
+    """An overloaded decode worker's LOCAL plan has no gap but a long queue; a cold prefill
+    worker whose hand-off is slightly over the bound must still win."""
+    links = {("p0", "d0"): LinkEstimate(3e8, 0.1)}  # a slow link: the gap is ~0.35 s
+    decode = worker("d0", num_waiting=8, num_queued_prefill_tokens=12_000)
+    decision = decide([worker("p0")], [decode], CostModel(links=links))
+    assert decision.chosen.kind is PlanKind.DISAGG
+    local = next(plan for plan in decision.alternatives if plan.kind is PlanKind.LOCAL)
+    chosen = decision.chosen.estimate
+    assert chosen.gap > 0.25 and chosen.ttft + chosen.gap < local.estimate.ttft

@@ -3,9 +3,13 @@ in seconds (DESIGN.md section 3). Pure: everything it needs is passed in.
 
     prune pools -> enumerate LOCAL and DISAGG plans -> estimate + mark infeasible -> rank -> explain
 
-Ranking: feasible plans whose hand-off gap is within the bound come first, by least
-TTFT (plus the interference a LOCAL prefill causes); if none is within the bound, by
-least TTFT + gap. Ties go to the smaller gap, then the lighter load, then worker ids.
+Ranking: by least TTFT (plus the interference a LOCAL prefill causes), where a plan
+whose hand-off gap exceeds the bound is charged its whole gap as well. A gap within the
+bound is free; one past it costs what it costs, so a plan just over the bound still
+beats one that makes the client wait many times longer for its first token (a strict
+"within the bound first" order sent every request of an overloaded cluster to the one
+decode worker, whose LOCAL plans have no gap). Ties go to the smaller gap, then the
+lighter load, then worker ids.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def ranking_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSetti
     seconds = estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
     load = [load_key(views[worker_id])[:2] for worker_id in plan.workers]
     total_load = (sum(active for active, _ in load), sum(queued for _, queued in load))
-    return (over_bound, round(seconds, TIE_RESOLUTION_SECONDS), round(estimate.gap, TIE_RESOLUTION_SECONDS),
+    return (round(seconds, TIE_RESOLUTION_SECONDS), round(estimate.gap, TIE_RESOLUTION_SECONDS),
             total_load, plan.prefill_worker or "", plan.decode_worker)
 
 
@@ -73,7 +77,7 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
     chosen = ranked[0]
     reason = f"{describe(chosen)}: {holdings(chosen, request, views)}; est. {timing(chosen)}"
     if chosen.estimate.gap > settings.gap_bound_seconds:
-        reason += f"; no plan within the {settings.gap_bound_seconds:.2f} s gap bound, least TTFT + gap"
+        reason += f"; its gap is over the {settings.gap_bound_seconds:.2f} s gap bound and charged in full"
     if len(ranked) > 1:
         runner_up = ranked[1]
         reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
