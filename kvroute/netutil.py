@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
+# Below Linux's default ephemeral range (32768-60999): the kernel hands ports from that range
+# to outgoing connections, and one may take a port picked here before its listener binds it
+# (seen: vLLM's KV-event publisher failing with "Address already in use" at start-up).
+LISTEN_PORT_RANGE = (20000, 32767)
+_PORT_ATTEMPTS = 200
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now (the caller binds it soon after)."""
+    """A port that is free right now (the caller binds it soon after), outside the range
+    the kernel gives outgoing connections; the kernel's own pick if none is found."""
+    for _ in range(_PORT_ATTEMPTS):
+        port = random.randint(*LISTEN_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
