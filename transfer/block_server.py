@@ -1,7 +1,8 @@
 """The transfer endpoint of one engine: serves leased blocks, releases, and counters.
 
 Runs as a daemon thread inside vLLM's model-worker process, next to the KV cache it
-reads. A staged lease (see ``transfer.leases``) is served from its own host copy. Protocol over one ROUTER socket (client: a DEALER)::
+reads; a staged lease (see ``transfer.leases``) is served from its own host copy.
+Protocol over one ROUTER socket (client: a DEALER)::
 
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
     ReleaseLease ──▶ ReleaseReply
@@ -21,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from kvroute import wire
@@ -184,12 +186,14 @@ class BlockServer:
         cache, count = self.cache, len(indices)
         first = indices[0] if indices else 0
         contiguous = indices == list(range(first, first + count))
-        positions = block_index_tensor(indices)
+        positions = None  # built once, only when some layer needs a gather
         for copy in staged:
             run = cache.run_of_copy(copy, first, count) if contiguous else None
             if run is not None:
                 send_frame(self._socket, [identity], run)
                 continue
+            if positions is None:
+                positions = block_index_tensor(indices)
             slot, buffer = self._buffers.acquire(count * cache.layer_bytes_per_block)
             cache.select_from_copy(copy, positions, buffer)
             self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))

@@ -2,9 +2,9 @@
 
 It owns the transfer endpoint (``BlockServer``) beside the KV cache, the lease table
 of a producer (leases are staged to host buffers when the budget allows, so the engine
-frees its blocks at once; see ``transfer.leases``), and the pulls of a consumer. Pulls run on a small thread pool and
-write only into blocks vLLM allocated for them; vLLM does not read those blocks until
-the pull is reported finished. A failed pull is reported as failed, and vLLM
+frees its blocks at once; see ``transfer.leases``), and the pulls of a consumer. Pulls
+run on a small thread pool and write only into blocks vLLM allocated for them; vLLM
+does not read those blocks until the pull is reported finished. A failed pull is reported as failed, and vLLM
 (``kv_load_failure_policy="recompute"``) computes the prompt locally instead.
 """
 
