@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
+import uvloop
 
 from kvroute.config import setting
 from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker
@@ -136,7 +137,9 @@ def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:
     logging.basicConfig(level=orchestrator.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(orchestrator, pool))
+        # uvicorn's loop="uvloop" only applies when uvicorn owns the loop; here serve() does.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(orchestrator, pool))
     except WorkerStartError as error:
         logger.error("%s", error)
         return 1

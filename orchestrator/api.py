@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -224,14 +223,14 @@ async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job],
                                  media_type="text/event-stream")
     texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))
     choices = [shape.choice(i, text, o.finish_reason) for i, (text, o) in enumerate(zip(texts, outcomes))]
-    return {**envelope, "object": shape.object_name, "choices": choices, "usage": usage(jobs, outcomes)}
+    return json_response({**envelope, "object": shape.object_name, "choices": choices, "usage": usage(jobs, outcomes)})
 
 
 async def _collect(service: CompletionService, job: Job, outcome: Outcome) -> str:
     return "".join([delta.text async for delta in service.stream(job, outcome)])
 
 
-async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) -> AsyncIterator[bytes]:
     base = {**envelope, "object": shape.chunk_name}
     extra = {"usage": None} if include_usage else {}
     try:
@@ -241,7 +240,7 @@ async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) ->
             yield _event({**base, "choices": [], "usage": usage(jobs, outcomes)})
     except APIError as error:
         yield _event(error_body(error.status, error.message, error.param, error.code))
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _merged(service, jobs, outcomes) -> AsyncIterator[tuple[int, Delta, bool]]:
@@ -278,5 +277,14 @@ async def _merged(service, jobs, outcomes) -> AsyncIterator[tuple[int, Delta, bo
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def json_response(payload: dict) -> Response:
+    """A JSON response encoded once by msgspec. A dict returned from a route would go
+    through FastAPI's jsonable_encoder first, which walks it in Python on every request."""
+    return Response(_json.encode(payload), media_type="application/json")
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"

@@ -8,14 +8,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from kvroute.model_prep import model_fingerprint, resolve_model
 from orchestrator.api import ApiContext, build_routers
 from orchestrator.auth import ApiKeys
 from orchestrator.decisions import DecisionLog
-from orchestrator.errors import APIError, error_response, install_handlers
+from orchestrator.errors import install_handlers
 from orchestrator.feedback import Feedback
+from orchestrator.http_middleware import BodySizeLimit, RequestCounter
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
@@ -60,33 +61,14 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.state.fleet = fleet
     app.state.model_name = model_name
     install_handlers(app)
-    _limit_body_size(app, settings.max_request_bytes)
-    _count_requests(app, service.metrics)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    app.add_middleware(RequestCounter, metrics=service.metrics)  # outermost: counts the 413s too
     api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()
     context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
                          settings.allow_policy_override)
     for router in build_routers(context):
         app.include_router(router)
     return app
-
-
-def _limit_body_size(app: FastAPI, limit: int) -> None:
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return error_response(APIError(413, f"request body over {limit} bytes", code="request_too_large"))
-        return await call_next(request)
-
-
-def _count_requests(app: FastAPI, metrics: Metrics) -> None:
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        # The matched route, not the raw path: unknown paths must not mint new series.
-        endpoint = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
 
 
 def run_orchestrator(settings: OrchestratorSettings) -> None:

@@ -8,15 +8,17 @@ on the ``kvroute.decisions`` logger.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
+import msgspec
+
 from orchestrator.planner.views import Decision, Plan
 
 logger = logging.getLogger("kvroute.decisions")
+_record_encoder = msgspec.json.Encoder(enc_hook=str)  # dataclasses natively; anything odd as text
 
 
 def plan_summary(plan: Plan) -> dict:
@@ -88,7 +90,8 @@ class DecisionLog:
             self._records.popitem(last=False)
 
     def finish(self, record: DecisionRecord) -> None:
-        logger.info(json.dumps(record.to_dict(), separators=(",", ":"), default=str))
+        if logger.isEnabledFor(logging.INFO):  # encoding a record costs more than the rest of its bookkeeping
+            logger.info("%s", _record_encoder.encode(record).decode())
 
     def by_response(self, response_id: str) -> list[DecisionRecord]:
         return [r for (rid, _), r in self._records.items() if rid == response_id]

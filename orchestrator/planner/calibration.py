@@ -22,9 +22,11 @@ DEFAULT_LINK_SMOOTHING = 0.2  # weight of the newest transfer; ~5 transfers of m
 MIN_RELATIVE_SIZE_SPREAD = 0.05
 
 
-def prefill_features(new_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
-    """The regressors of ``PrefillCoefficients``, in field order."""
-    return 1.0, float(new_tokens), new_tokens * (new_tokens / 2 + cached_tokens)
+def prefill_features(points: np.ndarray) -> np.ndarray:
+    """The regressors of ``PrefillCoefficients``, in field order, for rows of
+    (new tokens, cached tokens): 1, new, new * (new / 2 + cached)."""
+    new, cached = points[:, 0], points[:, 1]
+    return np.column_stack((np.ones(len(points)), new, new * (new / 2 + cached)))
 
 
 def fit_prefill(rows: np.ndarray, seconds: np.ndarray) -> PrefillCoefficients | None:
@@ -86,9 +88,8 @@ class PrefillCalibrator:
     def _fit_history(self, history) -> PrefillCoefficients | None:
         if len(history) < self.min_points:
             return None
-        rows = np.array([prefill_features(new, cached) for new, cached, _ in history])
-        seconds = np.array([observed for _, _, observed in history])
-        return fit_prefill(rows, seconds)
+        points = np.array(history, dtype=np.float64)  # rows of (new, cached, seconds)
+        return fit_prefill(prefill_features(points), points[:, 2])
 
 
 @dataclass
