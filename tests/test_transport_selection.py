@@ -1,0 +1,120 @@
+"""The pure parts of the transports: backend choice, layout comparison, transfer
+headers, the per-peer link table, and how ZeroMQ links pack frames into messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.wire import KVLayoutSpec
+from transfer.kv_layout import LayoutMismatch
+from transfer.transports.errors import FrameMismatch, LinkRefused
+from transfer.transports.handshake import RECEIVER, SENDER, LinkHello, check_layouts, layout_differences
+from transfer.transports.header import TransferHeader
+from transfer.transports.links import LinkTable
+from transfer.transports.selection import choose_backend
+from transfer.transports.zmq_backend import message_groups
+
+LAYOUT = KVLayoutSpec(dtype="bfloat16", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
+                      block_size=128, bytes_per_block=2 * 3 * 128 * 64 * 2 * 30)
+CPU_BACKENDS = ["fake", "zmq-tcp", "zmq-ipc", "gloo"]
+CUDA_BACKENDS = ["fake", "nccl"]
+
+
+def hello(role=SENDER, device="cpu", host="a", requested="auto", backends=None) -> LinkHello:
+    if backends is None:
+        backends = CUDA_BACKENDS if device == "cuda" else CPU_BACKENDS
+    return LinkHello(role=role, layout=LAYOUT, device=device, host_id=host, backends=backends, requested=requested)
+
+
+@pytest.mark.parametrize("local, remote, chosen", [
+    (hello(), hello(RECEIVER), "zmq-ipc"),
+    (hello(host="a"), hello(RECEIVER, host="b"), "zmq-tcp"),
+    (hello(device="cuda"), hello(RECEIVER, device="cuda", host="b"), "nccl"),
+    (hello(device="cuda"), hello(RECEIVER, device="cuda"), "nccl"),  # CUDA frames: NCCL even on one host
+    (hello(requested="gloo"), hello(RECEIVER), "gloo"),
+    (hello(), hello(RECEIVER, host="b", requested="zmq-tcp"), "zmq-tcp"),
+    (hello(requested="zmq-tcp"), hello(RECEIVER, requested="zmq-tcp"), "zmq-tcp"),
+], ids=["one-host", "two-hosts", "cuda", "cuda-one-host", "forced-by-sender", "forced-by-receiver", "both-force"])
+def test_backend_choice(local, remote, chosen):
+    assert choose_backend(local, remote) == chosen
+    assert choose_backend(remote, local) == chosen  # both ends reach the same answer
+
+
+@pytest.mark.parametrize("local, remote, reason", [
+    (hello(requested="gloo"), hello(RECEIVER, requested="zmq-tcp"), "force different backends"),
+    (hello(device="cuda"), hello(RECEIVER), "between cuda and cpu"),
+    (hello(requested="nccl"), hello(RECEIVER), "cannot run on the local end"),
+    (hello(requested="zmq-ipc"), hello(RECEIVER, device="cuda", requested="zmq-ipc"), "cannot run on the remote"),
+    (hello(requested="carrier-pigeon"), hello(RECEIVER), "unknown transport backend"),
+])
+def test_refused_choices_say_why(local, remote, reason):
+    with pytest.raises(LinkRefused, match=reason):
+        choose_backend(local, remote)
+
+
+def test_layout_differences_name_each_field():
+    other = KVLayoutSpec(dtype="float16", num_layers=30, block_dim=0, block_shape=[2, 4, 128, 64],
+                         block_size=128, bytes_per_block=LAYOUT.bytes_per_block)
+    assert layout_differences(LAYOUT, LAYOUT) == []
+    assert layout_differences(LAYOUT, other) == [
+        "dtype: local 'bfloat16', remote 'float16'",
+        "block_shape: local [2, 3, 128, 64], remote [2, 4, 128, 64]",
+    ]
+    with pytest.raises(LayoutMismatch, match="dtype: local 'bfloat16', remote 'float16'; block_shape"):
+        check_layouts(LAYOUT, other)
+
+
+def test_transfer_header_round_trip_and_refusals():
+    header = TransferHeader(7, (100, 200, 300))
+    header.check(header.pack())
+    assert header.total_bytes == 600
+    with pytest.raises(FrameMismatch, match="transfer id 8, expected 7"):
+        header.check(TransferHeader(8, (100, 200, 300)).pack())
+    with pytest.raises(FrameMismatch, match="frame count 2, expected 3; total bytes 300, expected 600"):
+        header.check(TransferHeader(7, (100, 200)).pack())
+    with pytest.raises(FrameMismatch, match="frame sizes differ"):
+        header.check(TransferHeader(7, (200, 100, 300)).pack())
+    with pytest.raises(FrameMismatch, match="not a kvroute transfer header"):
+        header.check(bytes(len(header.pack())))
+    with pytest.raises(FrameMismatch, match="transfer header of 3 bytes"):
+        header.check(b"abc")
+    with pytest.raises(ValueError):
+        TransferHeader(-1, ())
+
+
+class _End:
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_link_table_opens_lazily_once_per_peer_and_replaces_closed_links():
+    opened: list[str] = []
+    table = LinkTable(lambda peer: opened.append(peer) or _End(peer))
+    assert opened == []  # nothing before the first use
+    first = table.get("decode-1")
+    assert table.get("decode-1") is first and opened == ["decode-1"]
+    table.get("decode-2")
+    first.closed = True  # a failed transfer closes its link
+    again = table.get("decode-1")
+    assert again is not first and opened == ["decode-1", "decode-2", "decode-1"]
+    table.close_all()
+    assert again.closed
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("frame_bytes, groups", [
+    ((), []),
+    ((MiB // 4,) * 8, [range(0, 4), range(4, 8)]),  # small frames share a message
+    ((MiB,) * 3, [range(0, 1), range(1, 2), range(2, 3)]),
+    ((4 * MiB, 10, 10), [range(0, 1), range(1, 3)]),  # a large frame goes alone
+    ((10, 4 * MiB, 10), [range(0, 1), range(1, 2), range(2, 3)]),
+    ((0, 0, 5), [range(0, 3)]),
+])
+def test_zmq_message_groups_keep_frame_order(frame_bytes, groups):
+    assert message_groups(frame_bytes) == groups

@@ -1,0 +1,187 @@
+"""The transport interface: a one-way link that moves a list of contiguous byte frames.
+
+A transfer is what the KV wire format produces, one frame per layer (see
+``transfer.kv_layout``), preceded by a header (``transfer.transports.header``)::
+
+    sender.send(frame_bytes, fill, deadline, transfer_id)
+        header ──▶ frame 0 ──▶ frame 1 ──▶ … ──▶ frame n-1
+    receiver.receive(frame_bytes, store, deadline, transfer_id)
+
+The sender never hands a caller's tensor to the wire: ``fill(index, out)`` writes
+frame ``index`` into a link-owned buffer (a gather from the KV cache, typically), which
+is reused only after its send completed (``transfer.send_buffers``). The receiver calls
+``store(index, data)`` once per frame, in order; ``data`` is valid during the call only
+(a scatter into the KV cache, typically). Both ends know the frame sizes beforehand,
+since the receiver asked for those blocks; the header makes them agree or fail.
+
+Ownership: a lock serialises the calls on one end, so two transfers never interleave
+their frames; which transfer goes first is the caller's protocol, and the transfer id
+turns a disagreement into an error instead of mixed-up blocks. Any failure, including
+an exception from ``fill`` or ``store``, closes the end: frames of that transfer may
+still be in flight, so nothing on the link can be trusted afterwards. Open a new link.
+
+Backends implement the underscore hooks; the template here is the one code path.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from transfer.send_buffers import SendBufferPool
+from transfer.transports.errors import LinkClosed, TransportError, seconds_left
+from transfer.transports.header import TransferHeader
+from transfer.transports.settings import LinkOptions
+
+LayerSource = Callable[[int, torch.Tensor], None]
+LayerSink = Callable[[int, torch.Tensor], None]
+
+
+class SendTracker(Protocol):
+    """What ``SendBufferPool`` needs to know of a send: zmq.MessageTracker has this shape."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float) -> None: ...
+
+
+class _LinkEnd(ABC):
+    backend: str  # the backend's name, e.g. "zmq-tcp"
+
+    def __init__(self, options: LinkOptions):
+        self.options = options
+        self.device = options.device
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Idempotent; waits for a transfer in progress, which its deadline bounds."""
+        with self._lock:
+            self._close_once()
+
+    def _close_once(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+    def _run(self, transfer: Callable[[], None]) -> None:
+        """Run one transfer under the lock; any failure closes this end."""
+        with self._lock:
+            if self.closed:
+                raise LinkClosed(f"{self.backend} link is closed")
+            try:
+                transfer()
+            except BaseException as error:
+                self._close_once()
+                translated = self._translate(error)
+                if translated is None:
+                    raise
+                raise translated from error
+
+    def _translate(self, error: BaseException) -> TransportError | None:
+        """A backend's own exception as a TransportError; None keeps it as it is."""
+        return None
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Sender(_LinkEnd):
+    def __init__(self, options: LinkOptions):
+        super().__init__(options)
+        self._buffers = SendBufferPool()
+
+    def send(self, frame_bytes: Sequence[int], fill: LayerSource, deadline: float,
+             transfer_id: int = 0) -> int:
+        """Send one transfer; returns its payload bytes once every frame has left this end."""
+        header = TransferHeader(transfer_id, tuple(frame_bytes))
+        self._run(lambda: self._send_transfer(header, fill, deadline))
+        return header.total_bytes
+
+    def _send_transfer(self, header: TransferHeader, fill: LayerSource, deadline: float) -> None:
+        trackers = [self._send_header(header.pack(), deadline)]
+        for group in self._message_groups(header.frame_bytes):
+            sizes = [header.frame_bytes[index] for index in group]
+            slot, buffer = self._acquire(sum(sizes))
+            offset = 0
+            for index, nbytes in zip(group, sizes):
+                fill(index, buffer[offset:offset + nbytes])
+                offset += nbytes
+            tracker = self._send_buffer(buffer, deadline)
+            self._buffers.mark_sent(slot, tracker)
+            trackers.append(tracker)
+        for tracker in trackers:
+            if tracker is not None and not tracker.done:
+                tracker.wait(seconds_left(deadline, f"a {self.backend} send to complete"))
+
+    def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
+        """Which consecutive frames travel together as one message; by default each alone."""
+        return [range(index, index + 1) for index in range(len(frame_bytes))]
+
+    def _acquire(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        if self.device.type == "cpu":
+            return self._buffers.acquire(nbytes)
+        # The pool allocates with a plain torch.empty; the device context puts its buffers
+        # where this link's frames live (CUDA for NCCL). Not on CPU: the context routes every
+        # tensor call through a Python mode, which tripled the cost of each acquire.
+        with self.device:
+            return self._buffers.acquire(nbytes)
+
+    @abstractmethod
+    def _send_header(self, packed: bytes, deadline: float) -> SendTracker | None: ...
+
+    @abstractmethod
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> SendTracker | None:
+        """Start sending one message (a group of frames); None when ``buffer`` may be reused at once."""
+
+
+class Receiver(_LinkEnd):
+    def receive(self, frame_bytes: Sequence[int], store: LayerSink, deadline: float,
+                transfer_id: int = 0) -> int:
+        """Receive one transfer into ``store``; returns its payload bytes."""
+        expected = TransferHeader(transfer_id, tuple(frame_bytes))
+        self._run(lambda: self._receive_transfer(expected, store, deadline))
+        return expected.total_bytes
+
+    def _receive_transfer(self, expected: TransferHeader, store: LayerSink, deadline: float) -> None:
+        expected.check(self._receive_header(deadline))
+        self._receive_frames(expected.frame_bytes, store, deadline)
+
+    @abstractmethod
+    def _receive_header(self, deadline: float) -> bytes: ...
+
+    @abstractmethod
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
+        """Call ``store(index, data)`` for each frame, checking each frame's size."""
+
+
+@dataclass
+class HostedLink:
+    """The hosting (sending) end between announcing ``address`` and the peer joining."""
+
+    address: str
+    accept: Callable[[float], Sender]  # accept(deadline): the sender, once the peer joined
+    cancel: Callable[[], None]  # release what was bound, when the link is not opened after all
+
+
+class Backend(Protocol):
+    """One way of moving frames. The sender hosts (binds, or runs the rendezvous store);
+    the receiver joins at the address the sender announced over the control channel."""
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def host(self, options: LinkOptions, deadline: float) -> HostedLink: ...
+
+    def join(self, address: str, options: LinkOptions, deadline: float) -> Receiver: ...

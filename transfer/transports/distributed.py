@@ -1,0 +1,192 @@
+"""torch.distributed links: a two-rank process group per worker pair, Gloo or NCCL.
+
+One code path for both; the tensor device picks the process group (CPU -> Gloo,
+CUDA -> NCCL), so everything here but ``_process_group`` runs on this machine through
+Gloo. No global ``init_process_group``: each link builds its own group over its own
+rendezvous store, so a worker can hold links to many peers, made as they are needed::
+
+    sender (rank 0)                               receiver (rank 1)
+    TCPStore(host, port 0, master) ── address ──▶ TCPStore(host, port)
+    ProcessGroup(PrefixStore(name, store), 0, 2)  ProcessGroup(PrefixStore(name, store), 1, 2)
+
+The address travels over the caller's control channel (see ``links``). The receiver
+posts the receive of frame i+1 before storing frame i, so the wire and the scatter
+overlap. After a failure the group is aborted and its buffers dropped: a receive that
+timed out might still complete later, into memory that must then be nobody's.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
+from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
+from transfer.transports.errors import PeerLost, TransportError, TransportTimeout, seconds_left
+from transfer.transports.header import HEADER_WORDS
+from transfer.transports.settings import LinkOptions
+
+SENDER_RANK, RECEIVER_RANK = 0, 1
+HEADER_TAG, FRAME_TAG = 1, 2
+
+
+def process_group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _timeout(deadline: float, what: str) -> timedelta:
+    return timedelta(seconds=seconds_left(deadline, what))
+
+
+def _process_group(store: dist.Store, name: str, rank: int, options: LinkOptions, deadline: float):
+    """The pair's group; blocks until both ranks joined or the deadline passed."""
+    prefixed = PrefixStore(f"kvroute-link/{name}", store)
+    timeout = _timeout(deadline, "the peer to join the process group")
+    if process_group_backend(options.device) == "nccl":
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._timeout = timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=options.settings.host)]
+    return dist.ProcessGroupGloo(prefixed, rank, 2, gloo_options)
+
+
+def _translate(backend: str, error: BaseException) -> TransportError | None:
+    """Gloo and NCCL report everything as RuntimeError; its text says which failure it was."""
+    if not isinstance(error, RuntimeError) or isinstance(error, TransportError):
+        return None
+    text = str(error)
+    if "Timed out" in text or "timed out" in text:
+        return TransportTimeout(f"{backend}: {text}")
+    if "closed by peer" in text or "Connection reset" in text:
+        return PeerLost(f"{backend}: {text}")
+    return TransportError(f"{backend}: {text}")
+
+
+class _WorkTracker:
+    """A torch.distributed Work as the tracker ``SendBufferPool`` expects."""
+
+    def __init__(self, work: dist.Work):
+        self._work = work
+
+    @property
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout: float) -> None:
+        # With a timeout, wait() blocks this thread (also for NCCL) and raises on failure.
+        self._work.wait(timedelta(seconds=max(timeout, 1e-3)))
+
+
+class _GroupEnd:
+    """What both ends hold: the group and the store that keeps its rendezvous alive."""
+
+    def _attach(self, group, store: dist.Store) -> None:
+        self._group = group
+        self._store = store
+        self.backend = process_group_backend(self.device)
+
+    def _translate(self, error: BaseException) -> TransportError | None:
+        return _translate(self.backend, error)
+
+    def _close(self) -> None:
+        self._group.abort()  # drops pending work without waiting for the peer
+        self._group = self._store = None
+
+
+class DistributedSender(_GroupEnd, Sender):
+    def __init__(self, options: LinkOptions, group, store: dist.Store):
+        Sender.__init__(self, options)
+        self._attach(group, store)
+
+    def _send_header(self, packed: bytes, deadline: float) -> _WorkTracker:
+        header = torch.frombuffer(bytearray(packed), dtype=torch.int64).to(self.device)
+        return _WorkTracker(self._group.send([header], RECEIVER_RANK, HEADER_TAG))
+
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> _WorkTracker:
+        return _WorkTracker(self._group.send([buffer], RECEIVER_RANK, FRAME_TAG))
+
+
+class DistributedReceiver(_GroupEnd, Receiver):
+    def __init__(self, options: LinkOptions, group, store: dist.Store):
+        Receiver.__init__(self, options)
+        self._attach(group, store)
+        self._ring: list[torch.Tensor] = []  # two receive buffers, reused across transfers
+
+    def _wait(self, work: dist.Work, deadline: float) -> None:
+        work.wait(_timeout(deadline, f"a frame from the {self.backend} sender"))
+
+    def _receive_header(self, deadline: float) -> bytes:
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        self._wait(self._group.recv([header], SENDER_RANK, HEADER_TAG), deadline)
+        return header.cpu().numpy().tobytes()
+
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
+        if not frame_bytes:
+            return
+        ring = self._ring_for(max(frame_bytes))
+        pending = self._post(ring[0], frame_bytes, 0)
+        for index in range(len(frame_bytes)):
+            work, data = pending
+            self._wait(work, deadline)
+            if index + 1 < len(frame_bytes):  # the next frame arrives while this one is stored
+                pending = self._post(ring[(index + 1) % 2], frame_bytes, index + 1)
+            store(index, data)
+
+    def _post(self, buffer: torch.Tensor, frame_bytes: tuple[int, ...], index: int):
+        # Exactly the announced size: Gloo aborts the process on a longer message, and the
+        # header check made sure the sender announced these sizes.
+        data = buffer[:frame_bytes[index]]
+        return self._group.recv([data], SENDER_RANK, FRAME_TAG), data
+
+    def _ring_for(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._ring or self._ring[0].numel() < nbytes:
+            self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._ring
+
+    def _close(self) -> None:
+        super()._close()
+        self._ring = []
+
+
+class DistributedBackend:
+    def __init__(self, name: str):
+        self.name = name  # "gloo" or "nccl": the same code, named by the device it serves
+
+    def supports(self, device: torch.device) -> bool:
+        if process_group_backend(device) != self.name:
+            return False
+        return dist.is_nccl_available() if self.name == "nccl" else dist.is_gloo_available()
+
+    def host(self, options: LinkOptions, deadline: float) -> HostedLink:
+        store = TCPStore(options.settings.host, 0, 2, True, _timeout(deadline, "the rendezvous store"),
+                         wait_for_workers=False)
+        name = secrets.token_hex(8)
+        address = f"{options.settings.host}:{store.port}/{name}"
+
+        def accept(accept_deadline: float) -> DistributedSender:
+            try:
+                group = _process_group(store, name, SENDER_RANK, options, accept_deadline)
+            except RuntimeError as error:
+                raise _translate(self.name, error) from error
+            return DistributedSender(options, group, store)
+
+        return HostedLink(address, accept, cancel=lambda: None)
+
+    def join(self, address: str, options: LinkOptions, deadline: float) -> DistributedReceiver:
+        host_port, _, name = address.partition("/")
+        host, _, port = host_port.rpartition(":")
+        try:
+            store = TCPStore(host, int(port), 2, False, _timeout(deadline, "the rendezvous store"))
+            group = _process_group(store, name, RECEIVER_RANK, options, deadline)
+        except RuntimeError as error:
+            raise _translate(self.name, error) from error
+        return DistributedReceiver(options, group, store)
+
+
+GLOO = DistributedBackend("gloo")
+NCCL = DistributedBackend("nccl")

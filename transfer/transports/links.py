@@ -1,0 +1,94 @@
+"""Opening a link end over a caller's control channel, and keeping one per peer.
+
+``open_sender`` and ``open_receiver`` run the first contact (``handshake``), pick the
+backend (``selection``), then build the backend's end: the sender hosts, the receiver
+joins. ``LinkTable`` opens a peer's link on its first use and opens a new one after a
+failure closed it, so links are made lazily, per worker pair.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+import zmq
+
+from kvroute.wire import KVLayoutSpec
+from transfer.transports.base import Receiver, Sender
+from transfer.transports.control import ControlChannel
+from transfer.transports.errors import LinkRefused
+from transfer.transports.handshake import RECEIVER, SENDER, LinkHello, LinkSetup, encode, exchange_hellos, \
+    host_identity, receive
+from transfer.transports.selection import backend, choose_backend, runnable_backends
+from transfer.transports.settings import LinkOptions, TransportSettings
+
+
+def _hello(role: str, layout: KVLayoutSpec, options: LinkOptions) -> LinkHello:
+    return LinkHello(role=role, layout=layout, device=options.device.type, host_id=host_identity(),
+                     backends=runnable_backends(options.device), requested=options.settings.backend)
+
+
+def _options(device: torch.device | str, settings: TransportSettings | None,
+             zmq_context: zmq.Context | None) -> LinkOptions:
+    return LinkOptions(torch.device(device), settings or TransportSettings(), zmq_context)
+
+
+def open_sender(control: ControlChannel, layout: KVLayoutSpec, device: torch.device | str, deadline: float,
+                settings: TransportSettings | None = None, zmq_context: zmq.Context | None = None) -> Sender:
+    """The sending end of a new link; the peer runs ``open_receiver`` at the same time."""
+    options = _options(device, settings, zmq_context)
+    local = _hello(SENDER, layout, options)
+    name = choose_backend(local, exchange_hellos(control, local, deadline))
+    try:
+        hosted = backend(name).host(options, deadline)
+    except Exception as error:
+        control.send_bytes(encode(LinkSetup(backend=name, error=str(error))))
+        raise
+    try:
+        control.send_bytes(encode(LinkSetup(backend=name, address=hosted.address)))
+        return hosted.accept(deadline)
+    except BaseException:
+        hosted.cancel()
+        raise
+
+
+def open_receiver(control: ControlChannel, layout: KVLayoutSpec, device: torch.device | str, deadline: float,
+                  settings: TransportSettings | None = None, zmq_context: zmq.Context | None = None) -> Receiver:
+    """The receiving end of a new link; the peer runs ``open_sender`` at the same time."""
+    options = _options(device, settings, zmq_context)
+    local = _hello(RECEIVER, layout, options)
+    name = choose_backend(local, exchange_hellos(control, local, deadline))
+    setup = receive(control, LinkSetup, deadline)
+    if setup.error:
+        raise LinkRefused(f"the sender could not host a {setup.backend} link: {setup.error}")
+    if setup.backend != name:
+        raise LinkRefused(f"the ends chose different backends: sender {setup.backend}, receiver {name}")
+    return backend(name).join(setup.address, options, deadline)
+
+
+End = TypeVar("End", Sender, Receiver)
+
+
+class LinkTable(Generic[End]):
+    """Open link ends by peer id. ``open_end(peer_id)`` makes a new one (running the first
+    contact with that peer); a closed end is replaced on the next ``get``. Thread-safe."""
+
+    def __init__(self, open_end: Callable[[str], End]):
+        self._open_end = open_end
+        self._ends: dict[str, End] = {}
+        self._lock = threading.Lock()
+
+    def get(self, peer_id: str) -> End:
+        with self._lock:
+            end = self._ends.get(peer_id)
+            if end is None or end.closed:
+                end = self._ends[peer_id] = self._open_end(peer_id)
+            return end
+
+    def close_all(self) -> None:
+        with self._lock:
+            ends, self._ends = list(self._ends.values()), {}
+        for end in ends:
+            end.close()

@@ -1,0 +1,59 @@
+"""Which backend a link uses: the same pure decision on both ends, from both hellos.
+
+Automatic: CUDA frames on both ends -> nccl; both ends on one host -> zmq-ipc; else
+zmq-tcp. Gloo is never chosen automatically for CPU frames (ZeroMQ is the faster
+host-memory path here) but can be forced, as can any backend: an override on either end
+wins when the other end can run it; two different overrides refuse the link.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.transports import distributed, fake, zmq_backend
+from transfer.transports.base import Backend
+from transfer.transports.errors import LinkRefused
+from transfer.transports.handshake import LinkHello
+from transfer.transports.settings import AUTO
+
+BACKENDS: dict[str, Backend] = {
+    "fake": fake.BACKEND,
+    "zmq-tcp": zmq_backend.TCP,
+    "zmq-ipc": zmq_backend.IPC,
+    "gloo": distributed.GLOO,
+    "nccl": distributed.NCCL,
+}
+
+
+def backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise LinkRefused(f"unknown transport backend {name!r}; known: {sorted(BACKENDS)}") from None
+
+
+def runnable_backends(device: torch.device) -> list[str]:
+    """The backends this process can run for frames on ``device``."""
+    return [name for name, candidate in BACKENDS.items() if candidate.supports(device)]
+
+
+def choose_backend(local: LinkHello, remote: LinkHello) -> str:
+    """The link's backend; both ends compute it and the receiver checks they agree."""
+    requested = {hello.requested for hello in (local, remote)} - {AUTO}
+    if len(requested) > 1:
+        raise LinkRefused(f"the two ends force different backends: {sorted(requested)}")
+    name = requested.pop() if requested else _automatic(local, remote)
+    backend(name)  # an unknown name is refused with the list of known ones
+    for end, hello in (("local", local), ("remote", remote)):
+        if name not in hello.backends:
+            raise LinkRefused(f"backend {name} cannot run on the {end} end ({hello.device} frames; "
+                              f"it runs {hello.backends})")
+    return name
+
+
+def _automatic(local: LinkHello, remote: LinkHello) -> str:
+    if local.device == remote.device == "cuda":
+        return "nccl"
+    if "cuda" in (local.device, remote.device):
+        raise LinkRefused(f"no backend moves frames between {local.device} and {remote.device} memory")
+    return "zmq-ipc" if local.host_id == remote.host_id else "zmq-tcp"
