@@ -1,0 +1,293 @@
+"""One simulated vLLM engine: its scheduler, step by step, over a ``BlockPool``.
+
+Like vLLM v1's scheduler, every step gets a token budget and spends it on
+
+1. the **running** requests, in admission order: one token for each decoding request,
+   the next prompt chunk for each prefilling one (chunked prefill). A request that needs
+   a block when none is free preempts the most recently admitted running request (its
+   blocks are released, it goes back to the head of the queue and is recomputed later,
+   usually from its own cached prefix);
+2. then, if nothing was preempted, the **waiting** requests in arrival order: a prefix-
+   cache hit first (whole cached blocks, never the last prompt token), then a chunk of
+   what is left. The first request that does not fit stops admission (head of line).
+
+A request whose prompt KV comes from a prefill worker (``remote``) is admitted by
+allocating blocks for its prompt and the prefill worker's token, minus what the local
+cache already holds; its pull then runs outside the engine (``Admission.pulls``), and
+once ``pull_done`` it decodes like any other. A request ends when it has ``max_tokens``.
+
+::
+
+    submit ─▶ WAITING ─admit─▶ RUNNING (prefill chunks → decode tokens) ─▶ FINISHED
+                 │  ▲                 │
+      remote:    │  └──── preempted ──┘
+                 └─▶ PULLING ─pull_done─▶ READY ─admit─▶ RUNNING
+
+**Decode runs.** A step that only decodes, and admitted nothing, is followed by the
+same step until the first request finishes, since nothing can enter a step the engine
+already could not take. Such steps are scheduled as one run of ``repeat`` identical
+steps (fewer when the free blocks would not last), and ``Admission.cut`` shortens a run
+when something new arrives: that is what keeps the simulator fast at 1,000 workers.
+The state at every step boundary is the same as stepping one by one; in the middle of
+a run the engine still shows the state at its start.
+
+Single writer: the simulation loop, which calls ``schedule`` and then ``complete``
+for each step, and ``submit`` / ``pull_done`` between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.identity import BlockHash
+from kvroute.kv_events import BlockStored
+from simulator.block_pool import BlockPool
+from simulator.sequence import Admission, EngineRequest, Produced, RequestState, ceil_div
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM-like limits. Defaults: vLLM's chunked-prefill budget and sequence cap, block
+    size 16 (a multiple that divides the scaled trace's 64-token blocks), 4,096 blocks
+    (64k tokens, ~1.4 GiB of SmolLM2 KV in bf16)."""
+
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # Schedule identical decode-only steps as one run (see the module docstring). The
+    # state at every step boundary is the same either way; False steps one by one.
+    decode_runs: bool = True
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (vLLM requires it: every "
+                             "running sequence needs a token of each step's budget)")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.pool = BlockPool(config.num_blocks)
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
+        self.num_queued_prompt_tokens = 0  # prompts of requests submitted with no output here yet
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ between steps
+
+    def submit(self, request: EngineRequest) -> None:
+        self.waiting.append(request)
+        self.num_queued_prompt_tokens += request.num_prompt
+
+    def pull_done(self, request: EngineRequest) -> None:
+        """The remote prompt KV landed: its full blocks join the local prefix cache."""
+        assert request.state is RequestState.PULLING, request.state
+        request.num_computed = request.num_prompt
+        request.state = RequestState.READY
+        self._register_full_blocks(request)
+
+    @property
+    def empty(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ------------------------------------------------------------ scheduling
+
+    def schedule(self) -> Admission:
+        step = Admission()
+        budget = self._schedule_running(step, self.config.max_num_batched_tokens)
+        if not step.preempted:
+            self._schedule_waiting(step, budget)
+        if step.decodes_only and self.config.decode_runs:
+            step.repeat = self._decode_run_length(step)
+        return step
+
+    def _schedule_running(self, step: Admission, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            new = min(request.num_tokens - request.num_computed, budget)
+            if self._grow(request, request.num_computed + new, step):
+                step.work.append((request, new))
+                budget -= new
+                index += 1
+            # else: preempted itself; everything after it is gone too
+        return budget
+
+    def _grow(self, request: EngineRequest, tokens: int, step: Admission) -> bool:
+        """Blocks for ``tokens`` tokens of ``request``, preempting from the back as needed."""
+        needed = ceil_div(tokens, self.config.block_size) - len(request.blocks)
+        while needed > self.pool.num_free:
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return False
+        self._allocate(request, needed)
+        return True
+
+    def _schedule_waiting(self, step: Admission, budget: int) -> None:
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.state is RequestState.PULLING:
+                continue  # vLLM skips requests waiting for remote KV
+            if request.state is RequestState.READY:
+                new = 1  # blocks were allocated for the prompt and the prefill worker's token
+            elif request.remote:
+                if not self._start_pull(request, step):
+                    return
+                continue
+            else:
+                new = self._start_prefill(request, budget)
+                if new is None:
+                    return
+            self.waiting.remove(request)
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            step.work.append((request, new))
+            step.admitted.append(request)
+            budget -= new
+
+    def _start_prefill(self, request: EngineRequest, budget: int) -> int | None:
+        """Take the cached prefix and blocks for a first chunk; its tokens, or None when
+        the pool cannot hold it."""
+        size = self.config.block_size
+        hit_keys = self._hit(request)
+        new = min(request.num_tokens - len(hit_keys) * size, budget)
+        if not self._take_blocks(request, hit_keys, ceil_div(len(hit_keys) * size + new, size) - len(hit_keys)):
+            return None
+        return new
+
+    def _start_pull(self, request: EngineRequest, step: Admission) -> bool:
+        """Blocks for the prompt and the prefill worker's token, less the local hit; the
+        pull then moves only the prompt blocks this engine lacks."""
+        size = self.config.block_size
+        hit_keys = self._hit(request)
+        if not self._take_blocks(request, hit_keys, ceil_div(request.num_tokens, size) - len(hit_keys)):
+            return False
+        request.state = RequestState.PULLING
+        step.pulls.append((request, ceil_div(request.num_prompt, size) - len(hit_keys)))
+        return True
+
+    def _hit(self, request: EngineRequest) -> list[BlockHash]:
+        """The cached leading blocks; never the block holding the last token, which is
+        recomputed to sample from."""
+        limit = min(len(request.block_keys), (request.num_tokens - 1) // self.config.block_size)
+        return request.block_keys[:self.pool.cached_prefix(request.block_keys, limit)]
+
+    def _take_blocks(self, request: EngineRequest, hit_keys: list[BlockHash], fresh: int) -> bool:
+        if self.pool.blocks_to_admit(hit_keys, fresh) > self.pool.num_free:
+            return False
+        self.pool.acquire(hit_keys)
+        request.blocks = list(hit_keys)
+        self._allocate(request, fresh)
+        request.num_computed = len(hit_keys) * self.config.block_size
+        request.num_registered = len(hit_keys)
+        if request.cached_tokens is None:
+            request.cached_tokens = request.num_computed
+        return True
+
+    def _decode_run_length(self, step: Admission) -> int:
+        """How many identical decode steps can follow: until the first request finishes,
+        and no longer than the free blocks last. The run's blocks are allocated when it
+        completes (``complete``); nothing else allocates from this pool meanwhile."""
+        until_first_finish = min(request.steps_left for request, _ in step.work)
+
+        def extra_blocks(steps: int) -> int:
+            return sum(max(0, ceil_div(r.num_computed + steps, self.config.block_size) - len(r.blocks))
+                       for r, _ in step.work)
+
+        low, high = 1, until_first_finish  # extra_blocks(1) == 0: the first step is already allocated
+        while low < high:
+            middle = (low + high + 1) // 2
+            if extra_blocks(middle) <= self.pool.num_free:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    # ------------------------------------------------------------ after a step
+
+    def complete(self, step: Admission, started_at: float, step_seconds: float) -> list[Produced]:
+        """Apply ``step.repeat`` steps of ``step_seconds`` each that began at ``started_at``."""
+        produced: list[Produced] = []
+        if step.repeat > 1:  # a decode run's blocks, all before anyone finishes, as step by step
+            for request, _ in step.work:
+                self._allocate(request, ceil_div(request.num_computed + step.repeat, self.config.block_size)
+                               - len(request.blocks))
+        for request, new in step.work:
+            tokens = self._advance(request, new, step.repeat)
+            if tokens:
+                produced.append(Produced(request, tokens, started_at + step_seconds, step_seconds))
+                self._first_output(request)
+            if request.steps_left <= 0:
+                self._finish(request)
+        return produced
+
+    def _advance(self, request: EngineRequest, new: int, repeat: int) -> int:
+        """Count the computed tokens; tokens sampled (each step that caught up samples one)."""
+        if repeat > 1:  # a decode run: one token computed and one sampled per step
+            request.num_computed += repeat
+            request.num_output += repeat
+            return repeat
+        request.num_computed += new
+        self._register_full_blocks(request)
+        if request.num_computed < request.num_tokens:
+            return 0  # a prompt chunk that was not the last
+        request.num_output += 1
+        return 1
+
+    def _register_full_blocks(self, request: EngineRequest) -> None:
+        """Cache the prompt's newly completed full blocks; publish them as vLLM would."""
+        size = self.config.block_size
+        done = min(request.num_computed, request.num_prompt) // size
+        run_start = None
+        for index in range(request.num_registered, done):
+            if request.blocks[index] is None and self.pool.promote(request.block_keys[index]):
+                request.blocks[index] = request.block_keys[index]
+                run_start = index if run_start is None else run_start
+                continue
+            self._publish_run(request, run_start, index)
+            run_start = None
+        self._publish_run(request, run_start, done)
+        request.num_registered = max(request.num_registered, done)
+
+    def _publish_run(self, request: EngineRequest, start: int | None, end: int) -> None:
+        if start is None or start >= end:
+            return
+        size = self.config.block_size
+        parent = request.block_keys[start - 1] if start else None
+        self.pool.publish(BlockStored(block_hashes=request.block_keys[start:end], parent_block_hash=parent,
+                                      token_ids=request.token_ids[start * size:end * size], block_size=size))
+
+    def _first_output(self, request: EngineRequest) -> None:
+        if request.awaiting_output:
+            request.awaiting_output = False
+            self.num_queued_prompt_tokens -= request.num_prompt
+
+    def _finish(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.state = RequestState.FINISHED
+
+    def _preempt(self, request: EngineRequest) -> None:
+        """Recompute preemption: drop its KV, keep its output, queue it first."""
+        self._release(request)
+        request.num_computed = request.num_registered = 0
+        request.remote = False  # recomputed here, from this engine's own cache
+        request.state = RequestState.WAITING
+        self.waiting.insert(0, request)
+        self.num_preemptions += 1
+
+    def _allocate(self, request: EngineRequest, count: int) -> None:
+        if count > 0:
+            self.pool.allocate(count)
+            request.blocks.extend([None] * count)
+
+    def _release(self, request: EngineRequest) -> None:
+        self.pool.release(request.blocks)
+        request.blocks = []

@@ -1,0 +1,109 @@
+"""The simulated workers as the orchestrator sees them: ``WorkerView``s and a ``PrefixIndex``.
+
+The views carry what the service's do (``orchestrator.service.CompletionService._view``)
+from what a worker's heartbeat reports (``kvroute.worker.process.WorkerProcess.load``):
+
+* ``num_running`` / ``num_waiting``: the engine's running and waiting requests (those
+  waiting for remote KV are waiting, as in vLLM's stats);
+* ``num_queued_prefill_tokens``: prompt tokens of requests submitted that have no output
+  on this worker yet;
+* ``num_free_blocks``: blocks no request references (evictable cached ones are free);
+* ``in_flight``: requests placed on this worker that have not finished, counted on every
+  worker of the plan until the whole request ends, as ``Fleet.track`` does;
+* ``cached_blocks``: from ``PrefixIndex.match`` over the prompt's chained hashes.
+
+The index is the production one, fed the way vLLM's KV events feed it in service: each
+engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. The views
+are exact at decision time, as if a heartbeat had just arrived from every worker; the
+service's views can be up to a heartbeat old (its load ledger corrects most of that).
+
+At 1,000 workers a decision must not rebuild 1,000 views: each worker keeps its view
+until its state changes (``touch``), and only the workers the index matched get a copy
+with their ``cached_blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from orchestrator.index import PrefixIndex
+from orchestrator.planner.views import WorkerView
+from simulator.engine import Engine, EngineConfig
+from simulator.sequence import Admission
+
+
+@dataclass
+class ActiveStep:
+    """The step (or decode run) an engine is computing, and which queue entry ends it."""
+
+    admission: Admission
+    started_at: float
+    step_seconds: float
+    version: int
+
+    @property
+    def ends_at(self) -> float:
+        return self.started_at + self.admission.repeat * self.step_seconds
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int):
+        self.worker_id = worker_id
+        self.role = role
+        self.engine = Engine(config)
+        self.bytes_per_block = bytes_per_token * config.block_size
+        self.in_flight = 0
+        self.active: ActiveStep | None = None
+        self.version = 0  # bumped whenever the pending step event is superseded
+        self.num_steps = 0
+        self._view: WorkerView | None = None
+
+    def touch(self) -> None:
+        """Its state changed: the next decision needs a fresh view."""
+        self._view = None
+
+    def view(self) -> WorkerView:
+        if self._view is None:
+            engine, pool = self.engine, self.engine.pool
+            self._view = WorkerView(
+                worker_id=self.worker_id, role=self.role, num_running=len(engine.running),
+                num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.num_queued_prompt_tokens,
+                num_free_blocks=pool.num_free, num_total_blocks=pool.num_total,
+                block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
+                in_flight=self.in_flight)
+        return self._view
+
+
+class SimFleet:
+    def __init__(self, num_prefill: int, num_decode: int, prefill_config: EngineConfig,
+                 decode_config: EngineConfig, bytes_per_token: int):
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("the service needs a live prefill and a live decode worker; so does the simulator")
+        if prefill_config.block_size != decode_config.block_size:
+            raise ValueError("prefill and decode engines must share a block size, as the orchestrator assumes")
+        self.block_size = decode_config.block_size
+        width = len(str(max(num_prefill, num_decode)))
+        self.pools: dict[str, list[SimWorker]] = {
+            "prefill": [SimWorker(f"prefill-{i:0{width}d}", "prefill", prefill_config, bytes_per_token)
+                        for i in range(num_prefill)],
+            "decode": [SimWorker(f"decode-{i:0{width}d}", "decode", decode_config, bytes_per_token)
+                       for i in range(num_decode)]}
+        self.workers = {w.worker_id: w for pool in self.pools.values() for w in pool}
+        self._positions = {role: {w.worker_id: i for i, w in enumerate(pool)} for role, pool in self.pools.items()}
+        self.index = PrefixIndex()
+        for worker_id in self.workers:
+            self.index.reset_worker(worker_id, f"{worker_id}-sim")
+
+    def publish(self, worker: SimWorker) -> None:
+        """Hand the engine's KV events to the index, in order, as the index-sync task does."""
+        for event in worker.engine.pool.take_events():
+            self.index.apply(worker.worker_id, event)
+
+    def views(self, role: str, matches: dict[str, int]) -> list[WorkerView]:
+        views = [worker.view() for worker in self.pools[role]]
+        positions = self._positions[role]
+        for worker_id, blocks in matches.items():
+            position = positions.get(worker_id)
+            if position is not None:
+                views[position] = replace(views[position], cached_blocks=blocks)
+        return views

@@ -1,0 +1,296 @@
+"""The event loop: requests arrive, the policy places them, engines step, KV moves, requests end.
+
+::
+
+    arrive ─▶ plan: index match → WorkerViews → policy.decide(request, prefill, decode, model)
+      │  no plan (every worker at its cap): re-plan when a request ends, or every 0.25 s;
+      │  still none after the admission wait: rejected (a 429 in service)
+      ├─ LOCAL d:     d prefills (token 1) and decodes 2..N
+      └─ DISAGG p→d:  p prefills (token 1) ─▶ d admits it (local hit, blocks) ─▶ pull of the
+                      prompt blocks d lacks over d's link ─▶ d decodes 2..N
+
+It mirrors ``orchestrator.service.CompletionService``: the same index lookup and views
+feed the same policy objects, a plan's workers count the request in flight until it
+ends, and waiting for capacity re-plans as ``admit`` does. Each engine has at most one
+pending step event; when something arrives for an engine in the middle of a decode run,
+the run is cut at the next step boundary and its event rescheduled (the old one is
+recognised as stale by the worker's version).
+
+Checks that hold by construction and are enforced as the simulation runs: the clock
+never goes backwards (``EventQueue``), no pool ever has more blocks in use than it holds
+(``BlockPool``), and every request ends exactly once (``_end``); ``run`` finally checks
+that nothing is left behind: no request in any engine, no block in use.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from kvroute import identity
+from orchestrator.planner.cost_model import CostModel
+from orchestrator.planner.policies import Policy
+from orchestrator.planner.views import Decision, PlanKind, RequestView
+from simulator.calibration import SimCalibration
+from simulator.sequence import EngineRequest, Produced, RequestState
+from simulator.events import EventQueue
+from simulator.fleet import ActiveStep, SimFleet, SimWorker
+from simulator.links import Links
+from simulator.records import FINISHED, REJECTED, RequestRecord
+from simulator.requests import ReplayRequest
+
+PENDING, RUNNING = "pending", "running"
+
+
+class ConservationError(AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """The service's admission loop (``CompletionService.admit``): how long a request waits
+    for a feasible plan before a 429, and how often it re-plans meanwhile."""
+
+    wait_seconds: float = 10.0  # OrchestratorSettings.admission_wait_seconds
+    replan_seconds: float = 0.25  # service.ADMISSION_REPLAN_SECONDS
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request's way through the cluster. Single writer: ``Simulation``."""
+
+    request: ReplayRequest
+    request_id: str
+    token_ids: list[int] | None
+    block_hashes: list[identity.BlockHash]
+    prompt_tokens: int
+    admit_by: float
+    decision: Decision | None = None
+    status: str = PENDING
+    tokens_out: int = 0
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+    second_token_at: float | None = None
+    last_token_at: float | None = None
+    cached_tokens: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+    @property
+    def plan(self):
+        return self.decision.chosen if self.decision else None
+
+    @property
+    def prefilling_worker(self) -> str:
+        return self.plan.prefill_worker or self.plan.decode_worker
+
+
+class Simulation:
+    def __init__(self, requests: Sequence[ReplayRequest], policy: Policy, fleet: SimFleet,
+                 calibration: SimCalibration, cost_model: CostModel, admission: AdmissionSettings, seed: int):
+        self.requests, self.policy, self.fleet = requests, policy, fleet
+        self.calibration, self.cost_model, self.admission = calibration, cost_model, admission
+        self.clock = EventQueue()
+        self.links = Links(calibration)
+        self.flights: dict[str, Flight] = {}
+        self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
+        self._jitter = random.Random(seed)
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> list[RequestRecord]:
+        for position, request in enumerate(self.requests):
+            self.clock.at(request.arrival_seconds, self._arrive, request, f"req-{position:06d}-{request.index}")
+        self.clock.run()
+        self._check_nothing_left()
+        return [self._record(flight) for flight in self.flights.values()]
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    def _arrive(self, request: ReplayRequest, request_id: str) -> None:
+        token_ids = request.prompt_token_ids
+        flight = Flight(request, request_id, token_ids, identity.block_hashes(token_ids, self.fleet.block_size, None),
+                        prompt_tokens=len(token_ids), admit_by=self.now + self.admission.wait_seconds)
+        self.flights[request_id] = flight
+        if not self._try_place(flight):
+            self.pending.append(flight)
+            self._retry_later(flight)
+
+    # ------------------------------------------------------------ placement
+
+    def _decide(self, flight: Flight) -> Decision:
+        matches = self.fleet.index.match(flight.block_hashes)
+        request = RequestView(flight.request_id, flight.prompt_tokens, flight.request.max_tokens,
+                              self.fleet.block_size)
+        return self.policy.decide(request, self.fleet.views("prefill", matches),
+                                  self.fleet.views("decode", matches), self.cost_model)
+
+    def _try_place(self, flight: Flight) -> bool:
+        decision = self._decide(flight)
+        if decision.chosen is None:
+            return False
+        flight.decision, flight.status = decision, RUNNING
+        for worker_id in decision.chosen.workers:
+            worker = self.fleet.workers[worker_id]
+            worker.in_flight += 1
+            worker.touch()
+        local = decision.chosen.kind is PlanKind.LOCAL
+        self._submit(self.fleet.workers[flight.prefilling_worker],
+                     EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
+                                   max_tokens=flight.request.max_tokens if local else 1))
+        return True
+
+    def _retry_later(self, flight: Flight) -> None:
+        wait = min(self.admission.replan_seconds, max(0.0, flight.admit_by - self.now))
+        self.clock.at(self.now + wait, self._retry, flight)
+
+    def _retry(self, flight: Flight) -> None:
+        if flight.status != PENDING:
+            return
+        if self._try_place(flight):
+            self.pending.remove(flight)
+        elif self.now >= flight.admit_by:
+            self.pending.remove(flight)
+            flight.status = REJECTED
+            flight.token_ids, flight.block_hashes = None, []
+        else:
+            self._retry_later(flight)
+
+    def _capacity_freed(self) -> None:
+        """A request ended: every waiting request re-plans, oldest first (as ``admit`` wakes)."""
+        for flight in list(self.pending):
+            if self._try_place(flight):
+                self.pending.remove(flight)
+
+    # ------------------------------------------------------------ engines
+
+    def _submit(self, worker: SimWorker, request: EngineRequest) -> None:
+        worker.engine.submit(request)
+        worker.touch()
+        self._wake(worker)
+
+    def _wake(self, worker: SimWorker) -> None:
+        """Something new for ``worker``: start a step if it is idle, else join at the next
+        step boundary (a decode run is cut there)."""
+        if worker.active is None:
+            self._start_step(worker)
+            return
+        active = worker.active
+        steps_begun = math.floor((self.now - active.started_at) / active.step_seconds) + 1
+        if steps_begun < active.admission.repeat:
+            active.admission.cut(steps_begun)
+            worker.version += 1
+            active.version = worker.version
+            self.clock.at(max(self.now, active.ends_at), self._step_done, worker, worker.version)
+
+    def _start_step(self, worker: SimWorker) -> None:
+        admission = worker.engine.schedule()
+        self.fleet.publish(worker)
+        worker.touch()
+        for request, num_blocks in admission.pulls:
+            self._start_pull(worker, request, num_blocks)
+        for request in admission.admitted:
+            flight = self.flights[request.request_id]
+            if flight.prefill_started_at is None and worker.worker_id == flight.prefilling_worker:
+                flight.prefill_started_at = self.now
+        if not admission.work:
+            return
+        seconds = self.calibration.step_seconds(admission.prefill_chunks(), admission.num_decodes())
+        if self.calibration.step_jitter:
+            seconds *= self._jitter.lognormvariate(0.0, self.calibration.step_jitter)
+        worker.version += 1
+        worker.num_steps += admission.repeat
+        worker.active = ActiveStep(admission, self.now, seconds, worker.version)
+        self.clock.at(worker.active.ends_at, self._step_done, worker, worker.version)
+
+    def _step_done(self, worker: SimWorker, version: int) -> None:
+        if version != worker.version:
+            return  # superseded: the run was cut and rescheduled
+        active, worker.active = worker.active, None
+        produced = worker.engine.complete(active.admission, active.started_at, active.step_seconds)
+        self.fleet.publish(worker)
+        worker.touch()
+        for tokens in produced:
+            self._tokens(worker, tokens)
+        if worker.active is None:
+            self._start_step(worker)
+
+    def _start_pull(self, worker: SimWorker, request: EngineRequest, num_blocks: int) -> None:
+        flight = self.flights[request.request_id]
+        flight.transfer_bytes = num_blocks * worker.bytes_per_block
+        arrives_at = self.links.transfer(worker.worker_id, flight.transfer_bytes, self.now)
+        flight.transfer_seconds = arrives_at - self.now
+        self.clock.at(arrives_at, self._pulled, worker, request)
+
+    def _pulled(self, worker: SimWorker, request: EngineRequest) -> None:
+        worker.engine.pull_done(request)
+        self.fleet.publish(worker)
+        worker.touch()
+        self._wake(worker)
+
+    # ------------------------------------------------------------ tokens and endings
+
+    def _tokens(self, worker: SimWorker, produced: Produced) -> None:
+        flight = self.flights[produced.request.request_id]
+        if flight.tokens_out == 0:
+            flight.first_token_at = produced.first_at
+            flight.cached_tokens = produced.request.cached_tokens or 0
+        if flight.tokens_out < 2 <= flight.tokens_out + produced.count:
+            flight.second_token_at = produced.token_at(1 - flight.tokens_out)
+        flight.tokens_out += produced.count
+        flight.last_token_at = produced.last_at
+        if produced.request.state is not RequestState.FINISHED:
+            return
+        if flight.tokens_out >= flight.request.max_tokens:
+            self._end(flight)
+        else:  # DISAGG: the prefill worker's token 1 is out; the decode worker takes over
+            self._submit(self.fleet.workers[flight.plan.decode_worker],
+                         EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
+                                       max_tokens=flight.request.max_tokens, num_output=1, remote=True))
+
+    def _end(self, flight: Flight) -> None:
+        if flight.status != RUNNING:
+            raise ConservationError(f"{flight.request_id} ended twice (status {flight.status})")
+        flight.status = FINISHED
+        flight.token_ids, flight.block_hashes = None, []  # no longer needed; 4,000 prompts add up
+        for worker_id in flight.plan.workers:
+            worker = self.fleet.workers[worker_id]
+            worker.in_flight -= 1
+            worker.touch()
+        self._capacity_freed()
+
+    def _check_nothing_left(self) -> None:
+        unfinished = [f.request_id for f in self.flights.values() if f.status not in (FINISHED, REJECTED)]
+        if unfinished or len(self.flights) != len(self.requests):
+            raise ConservationError(f"{len(unfinished)} requests never ended, e.g. {unfinished[:3]}; "
+                                    f"{len(self.flights)} of {len(self.requests)} arrived")
+        for worker in self.fleet.workers.values():
+            engine = worker.engine
+            if not engine.empty or engine.pool.num_used or worker.in_flight or worker.active:
+                raise ConservationError(f"{worker.worker_id} left with {len(engine.running)} running, "
+                                        f"{len(engine.waiting)} waiting, {engine.pool.num_used} blocks in use, "
+                                        f"{worker.in_flight} in flight")
+
+    # ------------------------------------------------------------ the record
+
+    def _record(self, flight: Flight) -> RequestRecord:
+        request, plan = flight.request, flight.plan
+        record = RequestRecord(request_id=flight.request_id, index=request.index,
+                               arrival_seconds=request.arrival_seconds, status=flight.status,
+                               prompt_tokens=flight.prompt_tokens, output_tokens=flight.tokens_out)
+        if flight.status != FINISHED:
+            return record
+        arrival, estimate = request.arrival_seconds, plan.estimate
+        gap = None if flight.second_token_at is None else flight.second_token_at - flight.first_token_at
+        return replace(record, plan=plan.kind.value, prefill_worker=flight.prefilling_worker,
+                       decode_worker=plan.decode_worker, cached_tokens=flight.cached_tokens,
+                       predicted_reused_tokens=estimate.reused_tokens if estimate else 0,
+                       estimated_ttft_seconds=estimate.ttft if estimate else None,
+                       queue_seconds=flight.prefill_started_at - arrival,
+                       ttft_seconds=flight.first_token_at - arrival, second_token_gap_seconds=gap,
+                       e2e_seconds=flight.last_token_at - arrival, transfer_bytes=flight.transfer_bytes,
+                       transfer_seconds=flight.transfer_seconds)

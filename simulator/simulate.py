@@ -1,0 +1,100 @@
+"""``simulate()``: one policy over one trace or workload on a simulated cluster.
+
+    results = simulate(load_trace(path), "cache_aware", num_prefill=4, num_decode=4)
+    results.summary.ttft_p50, results.summary.hit_rate, results.records[0]
+
+The policy is built by name with the production ``make_policy``; the planner's cost model
+is, unless ``settings.cost_model`` says otherwise, the one the calibration implies (what a
+perfectly calibrated orchestrator would believe). ``seed`` drives everything random in a
+run (step-time jitter; the trace and workload are seeded where they are made), so equal
+arguments give equal results.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.planner.cost_model import CostModel
+from orchestrator.planner.policies import make_policy
+from orchestrator.planner.settings import PlannerSettings
+from simulator.calibration import SimCalibration
+from simulator.engine import EngineConfig
+from simulator.sequence import ceil_div
+from simulator.fleet import SimFleet
+from simulator.loop import AdmissionSettings, Simulation
+from simulator.records import PolicySummary, RequestRecord, summarize
+from simulator.requests import ReplayRequest, replay_requests
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    prefill_engine: EngineConfig = field(default_factory=EngineConfig)
+    decode_engine: EngineConfig = field(default_factory=EngineConfig)
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    cost_model: CostModel | None = None  # None: calibration.cost_model()
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    num_blocks: int
+    max_blocks_used: int
+    evicted_blocks: int
+    preemptions: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    policy: str
+    records: list[RequestRecord]
+    summary: PolicySummary
+    workers: list[WorkerStats]
+    simulated_seconds: float  # the clock when the last event was processed
+    events: int
+    wall_seconds: float
+
+    def to_dict(self, with_records: bool = True) -> dict:
+        result = {"policy": self.policy, "summary": self.summary.to_dict(),
+                  "simulated_seconds": self.simulated_seconds, "events": self.events,
+                  "wall_seconds": self.wall_seconds, "workers": [vars(w) for w in self.workers]}
+        if with_records:
+            result["records"] = [r.to_dict() for r in self.records]
+        return result
+
+
+def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 1, num_decode: int = 1,
+             calibration: SimCalibration | None = None, seed: int = 0,
+             settings: SimulationSettings | None = None, tokenizer=None) -> SimulationResult:
+    """Replay ``trace_or_workload`` (a ``ScaledTrace``, trace requests, workload requests or
+    ``TokenRequest``s) under ``policy`` on ``num_prefill`` + ``num_decode`` workers."""
+    started = time.perf_counter()
+    calibration = calibration or SimCalibration()
+    settings = settings or SimulationSettings()
+    requests = replay_requests(trace_or_workload, tokenizer)
+    check_fits(requests, settings)
+    fleet = SimFleet(num_prefill, num_decode, settings.prefill_engine, settings.decode_engine,
+                     calibration.bytes_per_token)
+    simulation = Simulation(requests, make_policy(policy, settings.planner), fleet, calibration,
+                            settings.cost_model or calibration.cost_model(), settings.admission, seed)
+    records = simulation.run()
+    workers = [WorkerStats(w.worker_id, w.role, w.engine.pool.num_total, w.engine.pool.max_used,
+                           w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)
+               for w in fleet.workers.values()]
+    return SimulationResult(policy, records, summarize(policy, records), workers, simulation.now,
+                            simulation.clock.num_processed, time.perf_counter() - started)
+
+
+def check_fits(requests: list[ReplayRequest], settings: SimulationSettings) -> None:
+    """Every request's whole life must fit one engine, or it could wait forever (vLLM
+    refuses such a configuration at start-up, for its longest context)."""
+    smallest = min(settings.prefill_engine.num_blocks, settings.decode_engine.num_blocks)
+    block_size = settings.decode_engine.block_size
+    for request in requests:
+        lifetime = request.prompt_tokens + request.max_tokens
+        if ceil_div(lifetime, block_size) > smallest:
+            raise ValueError(f"request {request.index} needs {ceil_div(lifetime, block_size)} blocks over its "
+                             f"life; the smallest engine has {smallest}")
