@@ -15,6 +15,7 @@ mapped onto them per worker, never assumed equal.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from array import array
@@ -34,8 +35,13 @@ class Namespace:
 
     def cache_salt(self) -> str:
         """Stable, opaque, and different for any difference in any field."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return SALT_PREFIX + hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+        return _cache_salt(self)
+
+
+@functools.lru_cache(maxsize=4096)  # computed on every request; a deployment has few namespaces
+def _cache_salt(namespace: Namespace) -> str:
+    canonical = json.dumps(asdict(namespace), sort_keys=True, separators=(",", ":"))
+    return SALT_PREFIX + hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
 BlockHash = int

@@ -100,7 +100,8 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
     orchestrator = replace(orchestrator, model=model, registry_port=free_port())
     app = create_app(orchestrator)
     server = _Server(uvicorn.Config(app, host=orchestrator.host, port=orchestrator.port, loop="uvloop",
-                                           log_level=orchestrator.log_level, timeout_graceful_shutdown=5))
+                                           log_level=orchestrator.log_level, access_log=orchestrator.access_log,
+                                           timeout_graceful_shutdown=5))
     _stop_on_signals(server)
     api = asyncio.create_task(server.serve())
     workers: list[LaunchedWorker] = []

@@ -75,4 +75,4 @@ def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-                log_level=settings.log_level, timeout_graceful_shutdown=10)
+                log_level=settings.log_level, access_log=settings.access_log, timeout_graceful_shutdown=10)

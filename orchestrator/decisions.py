@@ -27,7 +27,7 @@ def plan_summary(plan: Plan) -> dict:
     if plan.infeasible_reason:
         summary["infeasible_reason"] = plan.infeasible_reason
     if plan.estimate is not None:
-        summary["estimate"] = asdict(plan.estimate)
+        summary["estimate"] = plan.estimate  # frozen; to_dict() and the log encoder expand it
     return summary
 
 

@@ -130,6 +130,8 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _non_empty_prompt(self):
         prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
+        if prompts and isinstance(prompts[0], int):  # one prompt of token ids (pydantic checked them all)
+            return self
         if not prompts or any(p == [] or p == "" for p in prompts):
             raise ValueError("prompt must not be empty")
         return self

@@ -34,6 +34,8 @@ class OrchestratorSettings:
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
     api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
     log_level: str = setting("info", "log level: debug, info, warning, error")
+    access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
+                                      "already gets one on kvroute.decisions")
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -42,6 +42,10 @@ class WorkerClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
+        # The same socket without asyncio's futures, to drain replies already queued after
+        # each awaited one: per message, the asyncio wrapper's bookkeeping costs more than
+        # the ZeroMQ call itself. Draining until EAGAIN keeps its readiness signal sound.
+        self._direct = zmq.Socket.shadow(self._socket.underlying)
         self._queues: dict[str, asyncio.Queue] = {}
         self._receiver = asyncio.create_task(self._receive_loop())
 
@@ -56,17 +60,27 @@ class WorkerClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            frame = await self._socket.recv()
-            try:
-                message = wire.decode(frame)
-            except wire.WireError as error:
-                logger.warning("undecodable reply from %s: %s", self.address, error)
-                continue
-            queue = self._queues.get(getattr(message, "request_id", None) or "")
-            if queue is not None:
-                queue.put_nowait(message)
+            self._route(await self._socket.recv())
+            while True:
+                try:
+                    frame = self._direct.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(frame)
+
+    def _route(self, frame: bytes) -> None:
+        try:
+            message = wire.decode(frame)
+        except wire.WireError as error:
+            logger.warning("undecodable reply from %s: %s", self.address, error)
+            return
+        queue = self._queues.get(getattr(message, "request_id", None) or "")
+        if queue is not None:
+            queue.put_nowait(message)
 
     async def _send(self, message: wire._Message) -> None:
+        # Through the asyncio socket: a send may consume the socket's (edge-triggered)
+        # readiness signal, which only the asyncio wrapper knows to re-check afterwards.
         await self._socket.send(wire.encode(message))
 
     async def generate(self, request: wire.GenerateRequest, timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
@@ -127,7 +141,10 @@ class WorkerClient:
         return message
 
     async def _wait(self, queue: asyncio.Queue, timeout: float, request_id: str) -> wire.Message:
+        if not queue.empty():
+            return queue.get_nowait()
         try:
-            return await asyncio.wait_for(queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # unlike wait_for, no task per wait
+                return await queue.get()
+        except TimeoutError:
             raise WorkerTimeout(f"{self.address} sent nothing for {request_id} in {timeout:.0f} s") from None

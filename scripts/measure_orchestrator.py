@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvroute.bench.stack import Stack  # noqa: E402
+from kvroute.bench.stack import Stack, SyntheticStack  # noqa: E402
 
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the orchestrator's placement policy (default: %(default)s, a baseline that always "
                              "prefills on the prefill worker and decodes on the decode worker, i.e. the same "
                              "work as the direct path; cache_aware may choose LOCAL plans and answer 429)")
+    parser.add_argument("--engine", choices=("vllm", "synthetic"), default="vllm",
+                        help="vllm: the embedded default with real engines; synthetic: `kvroute orchestrator` "
+                             "with workers whose engines answer in fixed time (kvroute.worker.synthetic), which "
+                             "isolates the orchestrator's cost from engine jitter (default: %(default)s)")
+    parser.add_argument("--token-seconds", type=float, default=0.005,
+                        help="synthetic engines: seconds per output token after the first (default: %(default)s)")
     parser.add_argument("--serve-args", default="", help="extra flags for `kvroute serve`, one string")
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /health")
     parser.add_argument("--request-timeout", type=float, default=120.0)
@@ -142,7 +148,11 @@ class CpuMeter:
         return (self.read() - before) / seconds
 
 
-def start_stack(log_path: Path, args: argparse.Namespace) -> Stack:
+def start_stack(log_path: Path, args: argparse.Namespace) -> Stack | SyntheticStack:
+    if args.engine == "synthetic":
+        from kvroute.model_prep import resolve_model
+        return SyntheticStack(resolve_model(None), log_path, ["--policy", args.policy, *args.serve_args.split()],
+                              args.token_seconds)
     return Stack(None, log_path, ["--dtype", args.dtype, "--policy", args.policy, *args.serve_args.split()])
 
 
@@ -444,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                        "prompt_token_ids": PROMPT_TOKEN_IDS, "concurrency": args.concurrency,
                        "throughput_requests": args.throughput_requests,
                        "throughput_rounds": args.throughput_rounds, "dtype": args.dtype, "policy": args.policy,
+                       "engine": args.engine, "token_seconds": args.token_seconds if args.engine == "synthetic" else None,
                        "serve_command": stack.command[1:]},
             "environment": {"python": platform.python_version(), "platform": platform.platform(),
                             "cpus": os.cpu_count(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},

@@ -29,18 +29,7 @@ class Stack:
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until /health answered 200; raises if serve exits or times out first."""
-        start = time.monotonic()
-        deadline = start + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvroute serve exited early:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"kvroute serve not healthy after {timeout:.0f} s")
+        return wait_healthy(self.url, [self.process], self.log_path, timeout)
 
     def workers(self, headers: dict | None = None) -> list[dict]:
         return httpx.get(self.url + "/admin/workers", timeout=5, headers=headers).json()["workers"]
@@ -68,6 +57,60 @@ class Stack:
             except OSError:
                 continue
         return found
+
+
+def wait_healthy(url: str, processes: list[subprocess.Popen], log_path: Path, timeout: float) -> float:
+    """Seconds until ``url``/health answered 200; raises if a process exits or time runs out first."""
+    start = time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        if any(process.poll() is not None for process in processes):
+            raise RuntimeError(f"a stack process exited early:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+
+
+class SyntheticStack:
+    """``kvroute orchestrator`` plus one prefill and one decode worker with synthetic engines
+    (``kvroute.worker.synthetic``), in subprocesses: the orchestrator's own cost, without
+    engine jitter. Same interface as ``Stack`` for the measurement scripts."""
+
+    def __init__(self, model: str, log_path: Path, extra_args: list[str], token_seconds: float):
+        self.port, registry_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [sys.executable, "-m", "kvroute", "orchestrator", "--port", str(self.port),
+                        "--registry-port", str(registry_port), "--model", model, *extra_args]
+        registry = f"tcp://127.0.0.1:{registry_port}"
+        workers = [[sys.executable, "-m", "kvroute.worker.synthetic", "--role", role, "--model", model,
+                    "--orchestrator", registry, "--token-seconds", str(token_seconds)]
+                   for role in ("prefill", "decode")]
+        with open(log_path, "wb") as log:
+            self.processes = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True)
+                              for command in (self.command, *workers)]
+        self.process = self.processes[0]  # the orchestrator
+
+    def wait_healthy(self, timeout: float) -> float:
+        return wait_healthy(self.url, self.processes, self.log_path, timeout)
+
+    def stop(self, timeout: float = 30) -> int:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        codes = []
+        for process in self.processes:
+            try:
+                codes.append(process.wait(timeout))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                codes.append(process.wait(10))
+        return codes[0]
 
 
 def _is_zombie(proc: Path) -> bool:

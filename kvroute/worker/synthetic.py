@@ -1,0 +1,177 @@
+"""A worker process with a synthetic engine: the real RPC server and heartbeats, no model.
+
+For measuring what the orchestrator itself costs, and for load tests of the frontend:
+the engine answers after a fixed, configurable time per prompt token and per output
+token, so a run through the orchestrator and a run straight to the worker differ only
+by the orchestrator's own work, not by engine jitter. Generated token ids are a pure
+function of the prompt and position (deterministic, checkable). It reports the model
+fingerprint of ``--model``, so an orchestrator serving that model accepts it. It holds
+no KV cache: a prefill's pull source names a lease nobody serves, and a decode ignores
+it, as a real consumer would after a failed pull.
+
+Usage::
+
+    python -m kvroute.worker.synthetic --role prefill --model DIR --orchestrator tcp://HOST:PORT
+        [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--ready-file PATH]
+
+Not a serving path: nothing here computes anything a client should read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvroute import wire
+from kvroute.model_prep import model_fingerprint
+from kvroute.worker.heartbeat import HeartbeatSender
+from kvroute.worker.resident import ResidentBlocks
+from kvroute.worker.rpc_server import RpcServer
+from kvroute.worker.settings import WorkerSettings
+from transfer.connector_scheduler import PARAMS_KEY, prompt_digest
+
+logger = logging.getLogger("kvroute.worker.synthetic")
+
+NUM_BLOCKS = 4096
+BLOCK_SIZE = 128
+BYTES_PER_BLOCK = 5_898_240  # SmolLM2-135M in float32: 46,080 bytes a token
+
+
+@dataclass(frozen=True)
+class SyntheticTiming:
+    prefill_seconds_per_token: float = 0.0001
+    token_seconds: float = 0.005  # per output token after the first
+
+
+def synthetic_token(prompt: list[int], position: int) -> int:
+    return 100 + (sum(prompt[-8:]) * 31 + len(prompt) + position * 7) % 1000
+
+
+@dataclass
+class _Completion:
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+@dataclass
+class _Output:
+    """The fields of vLLM's RequestOutput that ``generation.to_chunk`` reads."""
+
+    outputs: list[_Completion]
+    finished: bool
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+
+
+@dataclass
+class SyntheticEngine:
+    timing: SyntheticTiming
+    transfer_address: str
+    running: dict[str, asyncio.Task] = field(default_factory=dict)
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        tokens = list(prompt["prompt_token_ids"])
+        await asyncio.sleep(self.timing.prefill_seconds_per_token * len(tokens))
+        transfer = (params.extra_args or {}).get("kv_transfer_params", {}).get(PARAMS_KEY, {})
+        for position in range(params.max_tokens):
+            if position:
+                await asyncio.sleep(self.timing.token_seconds)
+            last = position == params.max_tokens - 1
+            output = _Output([_Completion([synthetic_token(tokens, position)], "length" if last else None)],
+                             finished=last, prompt_token_ids=tokens)
+            if last and transfer.get("hold_blocks"):
+                output.kv_transfer_params = {PARAMS_KEY: {"pull_source": wire.to_dict(self._source(prompt))}}
+            yield output
+
+    def _source(self, prompt: dict) -> wire.PullSource:
+        tokens = prompt["prompt_token_ids"]
+        return wire.PullSource(handle=secrets.token_hex(16), address=self.transfer_address,
+                               num_tokens=len(tokens), block_size=BLOCK_SIZE,
+                               prompt_digest=prompt_digest(tokens, prompt.get("cache_salt")))
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+
+class SyntheticWorker:
+    def __init__(self, settings: WorkerSettings, timing: SyntheticTiming, ready_file: Path | None):
+        self.settings = settings.with_ports()
+        self.engine = SyntheticEngine(timing, self.settings.transfer_address)
+        self.fingerprint = model_fingerprint(self.settings.model)
+        self.resident = ResidentBlocks()
+        self.ready_file = ready_file
+        self.server: RpcServer | None = None
+
+    def load(self) -> wire.WorkerLoad:
+        active = self.server.num_active_requests if self.server else 0
+        return wire.WorkerLoad(num_running=active, num_waiting=0, num_queued_prefill_tokens=0,
+                               num_free_blocks=NUM_BLOCKS, num_total_blocks=NUM_BLOCKS,
+                               block_size=BLOCK_SIZE, bytes_per_block=BYTES_PER_BLOCK)
+
+    def heartbeat(self, now: float) -> wire.Heartbeat:
+        s = self.settings
+        return wire.Heartbeat(worker_id=s.worker_id, role=s.role, incarnation=s.incarnation,
+                              rpc_address=s.rpc_address, load=self.load(), sent_at=now,
+                              kv_events_address=s.kv_events_address, model_fingerprint=self.fingerprint)
+
+    async def stats(self) -> wire.WorkerStats:
+        s = self.settings
+        return wire.WorkerStats(worker_id=s.worker_id, role=s.role, incarnation=s.incarnation, load=self.load(),
+                                transfer=wire.TransferCounters(),
+                                prompt_tokens=wire.PromptTokenCounters(),
+                                num_active_requests=self.server.num_active_requests if self.server else 0)
+
+    async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
+        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=0)
+
+    async def transfer_of(self, request_id: str) -> None:
+        return None
+
+    async def run(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        s = self.settings
+        self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
+                                lambda request_id: self.resident.snapshot(request_id, s.incarnation),
+                                self.reset_cache, self.transfer_of)
+        tasks = [asyncio.create_task(self.server.serve()),
+                 asyncio.create_task(HeartbeatSender(s.orchestrators, self.heartbeat).run(s.heartbeat_seconds))]
+        logger.info("synthetic %s worker %s at %s", s.role, s.worker_id, s.rpc_address)
+        if self.ready_file is not None:
+            self.ready_file.write_text(s.rpc_address)
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="A kvroute worker with a synthetic engine (benchmarks, load tests).")
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--model", required=True, help="model folder whose fingerprint the worker reports")
+    parser.add_argument("--orchestrator", action="append", required=True, help="registration address; repeatable")
+    parser.add_argument("--prefill-seconds-per-token", type=float, default=SyntheticTiming.prefill_seconds_per_token)
+    parser.add_argument("--token-seconds", type=float, default=SyntheticTiming.token_seconds)
+    parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator))
+    timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)
+    asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
+
+
+if __name__ == "__main__":
+    main()
