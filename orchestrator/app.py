@@ -43,7 +43,8 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
     service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
-                                settings.worker_timeout_seconds, settings.admission_wait_seconds)
+                                settings.worker_timeout_seconds, settings.admission_wait_seconds,
+                                settings.max_attempts)
     model_name = settings.served_model_name or Path(model_path).name
 
     @asynccontextmanager

@@ -59,7 +59,10 @@ class Fleet:
     # ------------------------------------------------------------ queries
 
     def live(self, role: str) -> list[WorkerView]:
-        return [w for w in self.registry.live(role) if w.worker_id in self._clients]
+        """Registered, heartbeating, and reachable: a worker whose RPC connection broke is
+        left out until it is back, so no request waits on a process that died."""
+        return [w for w in self.registry.live(role)
+                if (client := self._clients.get(w.worker_id)) is not None and not client.connection_lost]
 
     def client(self, worker_id: str) -> WorkerClient | None:
         return self._clients.get(worker_id)

@@ -54,8 +54,10 @@ class Metrics:
         self.transfer_seconds = Histogram("kvroute_transfer_seconds", "time of one KV pull, per link",
                                           ["source", "destination"], buckets=LATENCY_BUCKETS, registry=r)
         self.workers = Gauge("kvroute_workers", "live workers by role", ["role"], registry=r)
-        self.worker_failures = Counter("kvroute_worker_failures", "requests failed by a worker error",
+        self.worker_failures = Counter("kvroute_worker_failures", "placements ended by a worker error",
                                        ["role"], registry=r)
+        self.migrations = Counter("kvroute_request_migrations",
+                                  "requests moved to another worker after one failed", ["role"], registry=r)
 
     def observe_request(self, job, plan, handoff, record) -> None:
         kind = plan.kind.value

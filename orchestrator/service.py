@@ -14,11 +14,15 @@ closes the worker stream, which aborts the request on the workers and frees the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvroute import identity, wire
 from orchestrator.decisions import DecisionLog, DecisionRecord
@@ -33,6 +37,8 @@ from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
+
+logger = logging.getLogger("kvroute.orchestrator.service")
 
 DEFAULT_BLOCK_SIZE = 128
 ADMISSION_REPLAN_SECONDS = 0.25  # a quarter of the default heartbeat interval
@@ -64,27 +70,44 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    record: DecisionRecord | None = None
+    record: DecisionRecord | None = None  # the first placement's
+    generated_token_ids: list[int] = field(default_factory=list)
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, role: str, worker_id: str, error: WorkerError):
+        super().__init__(str(error))
+        self.role, self.worker_id, self.error = role, worker_id, error
+
+
+def continuation(job: Job, generated: list[int], attempt: int) -> Job:
+    """The rest of ``job`` after ``generated`` tokens: they join the prompt, and the
+    output budget shrinks by as many, so the client sees one uninterrupted completion."""
+    sampling = msgspec.structs.replace(job.sampling, max_tokens=job.sampling.max_tokens - len(generated),
+                                       min_tokens=max(job.sampling.min_tokens - len(generated), 0))
+    return dataclasses.replace(job, prompt_token_ids=job.prompt_token_ids + generated, sampling=sampling,
+                               request_id=f"{job.request_id}-m{attempt}")
 
 
 class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
-                 worker_timeout: float, admission_wait: float = 10.0):
+                 worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3):
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
         self.worker_timeout = worker_timeout
         self.admission_wait = admission_wait
+        self.max_attempts = max_attempts
         self._capacity_freed = asyncio.Event()
 
     # ------------------------------------------------------------ planning
 
-    async def admit(self, job: Job) -> tuple[Decision, DecisionRecord]:
+    async def admit(self, job: Job, excluded: set[str] = frozenset()) -> tuple[Decision, DecisionRecord]:
         """Plan the job; while every worker is at its cap, wait for capacity a bounded time."""
         deadline = time.monotonic() + self.admission_wait
         while True:
-            decision, record = self.plan(job)
+            decision, record = self.plan(job, excluded)
             if decision.chosen is not None:
                 return decision, record
             remaining = deadline - time.monotonic()
@@ -100,10 +123,11 @@ class CompletionService:
             except asyncio.TimeoutError:
                 pass
 
-    def plan(self, job: Job) -> tuple[Decision, DecisionRecord | None]:
+    def plan(self, job: Job, excluded: set[str] = frozenset()) -> tuple[Decision, DecisionRecord | None]:
+        """``excluded``: workers that already failed this job (the registry may not know yet)."""
         block_size = self._block_size()
         matches = self.index.match(identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt))
-        prefill, decode = self._views("prefill", matches), self._views("decode", matches)
+        prefill, decode = self._views("prefill", matches, excluded), self._views("decode", matches, excluded)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
                                 f"worker", code="no_worker", headers={"Retry-After": "5"})
@@ -121,8 +145,9 @@ class CompletionService:
         sizes = [w.load.block_size for role in ("prefill", "decode") for w in self.fleet.live(role)]
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
-    def _views(self, role: str, matches: dict[str, int]) -> list[WorkerView]:
-        return [self._view(w, role, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)]
+    def _views(self, role: str, matches: dict[str, int], excluded: set[str]) -> list[WorkerView]:
+        return [self._view(w, role, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)
+                if w.worker_id not in excluded]
 
     def _view(self, worker, role: str, cached_blocks: int) -> WorkerView:
         load = worker.load
@@ -139,29 +164,59 @@ class CompletionService:
     # ------------------------------------------------------------ running
 
     async def stream(self, job: Job, outcome: Outcome) -> AsyncIterator[Delta]:
-        decision, record = await self.admit(job)
-        outcome.record = record
+        """The job's text as it is generated. A worker that fails mid-request costs latency,
+        not the request: the job moves to another worker with the prompt plus the tokens
+        already sent (greedy decoding then continues exactly where it stopped), up to
+        ``max_attempts`` placements, after which the client gets a 503."""
+        text = self.codec.text_stream(job.stop)
+        excluded: set[str] = set()
+        attempt = job
+        for number in range(1, self.max_attempts + 1):
+            try:
+                async for delta in self._attempt(attempt, job, outcome, text, excluded):
+                    yield delta
+                return
+            except _WorkerFailed as failure:
+                excluded.add(failure.worker_id)
+                if number == self.max_attempts or outcome.completion_tokens >= job.sampling.max_tokens:
+                    raise APIError(503, f"{failure.role} worker failed: {failure.error}",
+                                   code="worker_error") from failure.error
+                self.metrics.migrations.labels(failure.role).inc()
+                logger.warning("request %s: %s worker %s failed (%s) after %d tokens; moving it (attempt %d)",
+                               job.request_id, failure.role, failure.worker_id, failure.error,
+                               outcome.completion_tokens, number + 1)
+                attempt = continuation(job, outcome.generated_token_ids, number)
+
+    async def _attempt(self, attempt: Job, job: Job, outcome: Outcome, text,
+                       excluded: set[str]) -> AsyncIterator[Delta]:
+        """One placement of the job (the first, or a continuation after a failure)."""
+        decision, record = await self.admit(attempt, excluded)
+        if outcome.record is None:
+            outcome.record = record
         plan = decision.chosen
-        handoff = HandoffRecord(request_id=job.request_id)
+        handoff = HandoffRecord(request_id=attempt.request_id)
         idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
         self._track(plan, +1)
         prefilling = plan.prefill_worker or plan.decode_worker
-        self._reserve(plan, job, prefilling)
+        self._reserve(plan, attempt, prefilling)
         try:
-            async with aclosing(self._until_prefilled(self._tokens(plan, job, handoff), prefilling, job)) as tokens:
-                async for delta in self._detokenize(tokens, job, outcome):
+            chunks = self._until_prefilled(self._tokens(plan, attempt, handoff), prefilling, attempt)
+            async with aclosing(chunks) as tokens:
+                async for delta in self._detokenize(tokens, outcome, text):
                     yield delta
         except WorkerError as error:
             role = "decode" if handoff.first_token_at or plan.kind is PlanKind.LOCAL else "prefill"
             self.metrics.worker_failures.labels(role).inc()
             record.actual.error = str(error)
-            raise APIError(503, f"{role} worker failed: {error}", code="worker_error") from error
+            raise _WorkerFailed(role, plan.decode_worker if role == "decode" else plan.prefill_worker,
+                                error) from error
         finally:
-            self.fleet.ledger.prefilled(prefilling, job.request_id)
-            self.fleet.ledger.released(plan.decode_worker, job.request_id)
+            self.fleet.ledger.prefilled(prefilling, attempt.request_id)
+            self.fleet.ledger.released(plan.decode_worker, attempt.request_id)
             self._track(plan, -1)
-            outcome.cached_tokens = handoff.prefill_cached_tokens
-            self._complete(job, plan, handoff, outcome, record, idle_at_start)
+            if attempt is job:
+                outcome.cached_tokens = handoff.prefill_cached_tokens
+            self._complete(attempt, plan, handoff, outcome, record, idle_at_start, client_facing=attempt is job)
 
     def _tokens(self, plan: Plan, job: Job, handoff: HandoffRecord) -> AsyncIterator[wire.GenerateChunk]:
         decode = self._client(plan.decode_worker)
@@ -194,10 +249,10 @@ class CompletionService:
                            headers={"Retry-After": "1"})
         return client
 
-    async def _detokenize(self, chunks, job: Job, outcome: Outcome) -> AsyncIterator[Delta]:
-        text = self.codec.text_stream(job.stop)
+    async def _detokenize(self, chunks, outcome: Outcome, text) -> AsyncIterator[Delta]:
         async for chunk in chunks:
             outcome.completion_tokens += len(chunk.token_ids)
+            outcome.generated_token_ids.extend(chunk.token_ids)
             piece = text.push(chunk.token_ids)
             if text.stopped:
                 outcome.finish_reason = "stop"
@@ -217,7 +272,9 @@ class CompletionService:
             self._capacity_freed.set()
 
     def _complete(self, job: Job, plan: Plan, handoff: HandoffRecord, outcome: Outcome, record: DecisionRecord,
-                  idle_at_start: bool) -> None:
+                  idle_at_start: bool, client_facing: bool = True) -> None:
+        """``client_facing``: the first placement, whose latencies the client saw; a
+        continuation after a failure still teaches the index and the cost model."""
         actual = record.actual
         actual.completion_tokens, actual.finish_reason = outcome.completion_tokens, outcome.finish_reason
         if handoff.first_token_at is not None:
@@ -228,6 +285,7 @@ class CompletionService:
             actual.second_token_gap = handoff.second_token_at - handoff.first_token_at
         if handoff.transfer is not None and handoff.transfer.ok:
             actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
-        self.metrics.observe_request(job, plan, handoff, record)
+        if client_facing:
+            self.metrics.observe_request(job, plan, handoff, record)
         self.feedback.observe(plan, record, idle_at_start)
         self.decisions.finish(record)

@@ -31,6 +31,8 @@ class OrchestratorSettings:
     worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker")
     admission_wait_seconds: float = setting(10.0, "when every worker is at its cap, wait this long for "
                                                   "capacity before answering 429")
+    max_attempts: int = setting(3, "placements per request: a worker failure moves the request (prompt plus "
+                                   "the tokens already sent) to another worker this many times minus one")
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
     api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
     log_level: str = setting("info", "log level: debug, info, warning, error")
@@ -40,6 +42,8 @@ class OrchestratorSettings:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvroute import wire
 from kvroute.netutil import async_context
@@ -47,16 +48,41 @@ class WorkerClient:
         # the ZeroMQ call itself. Draining until EAGAIN keeps its readiness signal sound.
         self._direct = zmq.Socket.shadow(self._socket.underlying)
         self._queues: dict[str, asyncio.Queue] = {}
+        # ZeroMQ hides a dead peer, but the TCP connection's end is visible on a monitor:
+        # a worker process that died fails its requests now, not at the heartbeat timeout.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.connection_lost = False  # since the last disconnect, no peer completed a handshake
         self._receiver = asyncio.create_task(self._receive_loop())
+        self._watcher = asyncio.create_task(self._watch_connection())
 
     async def close(self) -> None:
         """Stop receiving; every request still waiting on this worker fails at once."""
-        self._receiver.cancel()
-        await asyncio.gather(self._receiver, return_exceptions=True)
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(wire.ErrorReply(request_id=request_id, code="worker_down",
-                                             message=f"{self.address} was marked down"))
+        for task in (self._receiver, self._watcher):
+            task.cancel()
+        await asyncio.gather(self._receiver, self._watcher, return_exceptions=True)
+        self._fail_waiting("worker_down", f"{self.address} was marked down")
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
+
+    def _fail_waiting(self, code: str, message: str) -> None:
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(wire.ErrorReply(request_id=request_id, code=code, message=message))
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self.connection_lost:
+                    logger.info("connection to worker %s is back", self.address)
+                self.connection_lost = False
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connection_lost = True
+                # Replies to requests sent over the lost connection can never arrive: the
+                # worker's socket routes by connection. ZeroMQ reconnects for new requests.
+                logger.warning("connection to worker %s lost; failing its %d requests in flight",
+                               self.address, len(self._queues))
+                self._fail_waiting("worker_disconnected", f"connection to {self.address} lost")
 
     async def _receive_loop(self) -> None:
         while True:

@@ -76,28 +76,40 @@ def wait_healthy(url: str, processes: list[subprocess.Popen], log_path: Path, ti
 
 
 class SyntheticStack:
-    """``kvroute orchestrator`` plus one prefill and one decode worker with synthetic engines
-    (``kvroute.worker.synthetic``), in subprocesses: the orchestrator's own cost, without
-    engine jitter. Same interface as ``Stack`` for the measurement scripts."""
+    """``kvroute orchestrator`` plus workers with synthetic engines (``kvroute.worker.synthetic``;
+    by default one prefill and one decode worker), in subprocesses: the orchestrator's own
+    cost without engine jitter, and worker faults in seconds. Same interface as ``Stack``.
+    Worker ids are role-index (``decode-1``); ``worker_processes`` maps them to processes."""
 
-    def __init__(self, model: str, log_path: Path, extra_args: list[str], token_seconds: float):
+    def __init__(self, model: str, log_path: Path, extra_args: list[str], token_seconds: float,
+                 roles: tuple[str, ...] = ("prefill", "decode")):
         self.port, registry_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.command = [sys.executable, "-m", "kvroute", "orchestrator", "--port", str(self.port),
                         "--registry-port", str(registry_port), "--model", model, *extra_args]
         registry = f"tcp://127.0.0.1:{registry_port}"
+        worker_ids = [f"{role}-{roles[:i].count(role)}" for i, role in enumerate(roles)]
         workers = [[sys.executable, "-m", "kvroute.worker.synthetic", "--role", role, "--model", model,
-                    "--orchestrator", registry, "--token-seconds", str(token_seconds)]
-                   for role in ("prefill", "decode")]
+                    "--worker-id", worker_id, "--orchestrator", registry, "--token-seconds", str(token_seconds)]
+                   for role, worker_id in zip(roles, worker_ids)]
         with open(log_path, "wb") as log:
             self.processes = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True)
                               for command in (self.command, *workers)]
         self.process = self.processes[0]  # the orchestrator
+        self.worker_processes = dict(zip(worker_ids, self.processes[1:]))
 
     def wait_healthy(self, timeout: float) -> float:
         return wait_healthy(self.url, self.processes, self.log_path, timeout)
+
+    def wait_workers(self, count: int, timeout: float) -> None:
+        """Until ``count`` workers are live (health only needs one of each role)."""
+        deadline = time.monotonic() + timeout
+        while len(httpx.get(self.url + "/admin/workers", timeout=5).json()["workers"]) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {count} workers registered after {timeout:.0f} s")
+            time.sleep(0.5)
 
     def stop(self, timeout: float = 30) -> int:
         for process in self.processes:

@@ -48,8 +48,10 @@ class SyntheticTiming:
     token_seconds: float = 0.005  # per output token after the first
 
 
-def synthetic_token(prompt: list[int], position: int) -> int:
-    return 100 + (sum(prompt[-8:]) * 31 + len(prompt) + position * 7) % 1000
+def synthetic_next_token(context: list[int]) -> int:
+    """The next token as a pure function of everything before it, like greedy decoding:
+    continuing from prompt + the tokens so far gives the same tokens as an unbroken run."""
+    return 100 + (sum(context[-8:]) * 31 + len(context)) % 1000
 
 
 @dataclass
@@ -78,13 +80,15 @@ class SyntheticEngine:
 
     async def generate(self, prompt: dict, params, request_id: str):
         tokens = list(prompt["prompt_token_ids"])
+        context = list(tokens)
         await asyncio.sleep(self.timing.prefill_seconds_per_token * len(tokens))
         transfer = (params.extra_args or {}).get("kv_transfer_params", {}).get(PARAMS_KEY, {})
         for position in range(params.max_tokens):
             if position:
                 await asyncio.sleep(self.timing.token_seconds)
             last = position == params.max_tokens - 1
-            output = _Output([_Completion([synthetic_token(tokens, position)], "length" if last else None)],
+            context.append(synthetic_next_token(context))
+            output = _Output([_Completion([context[-1]], "length" if last else None)],
                              finished=last, prompt_token_ids=tokens)
             if last and transfer.get("hold_blocks"):
                 output.kv_transfer_params = {PARAMS_KEY: {"pull_source": wire.to_dict(self._source(prompt))}}
@@ -159,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--model", required=True, help="model folder whose fingerprint the worker reports")
     parser.add_argument("--orchestrator", action="append", required=True, help="registration address; repeatable")
+    parser.add_argument("--worker-id", default="", help="default: role and a random suffix")
     parser.add_argument("--prefill-seconds-per-token", type=float, default=SyntheticTiming.prefill_seconds_per_token)
     parser.add_argument("--token-seconds", type=float, default=SyntheticTiming.token_seconds)
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
@@ -168,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator))
+    settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
+                              worker_id=args.worker_id)
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)
     asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
 
