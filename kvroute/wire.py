@@ -284,6 +284,25 @@ class TransferStatsReply(_Message, tag="transfer_stats_reply"):
     layout: KVLayoutSpec | None = None
 
 
+class LinkHello(_Message, tag="link_hello"):
+    """First contact on a transport link: what each end is (see ``transfer.transports.handshake``)."""
+
+    role: str  # "sender" or "receiver"
+    layout: KVLayoutSpec
+    device: str  # "cpu" or "cuda": where this end's frames live
+    host_id: str  # equal on two ends that can share an ipc socket
+    backends: list[str]  # the backends this end can run
+    requested: str = "auto"  # this end's override, if any
+
+
+class LinkSetup(_Message, tag="link_setup"):
+    """The sender's answer once both hellos agree: which backend, and where to join it."""
+
+    backend: str
+    address: str = ""
+    error: str = ""  # set when the sender could not host; the receiver fails at once
+
+
 Message = Union[
     GenerateRequest,
     AbortRequest,
@@ -306,6 +325,8 @@ Message = Union[
     TransferStatsReply,
     PullRecordsRequest,
     PullRecordsReply,
+    LinkHello,
+    LinkSetup,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

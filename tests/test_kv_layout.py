@@ -208,6 +208,12 @@ def test_check_compatible_refuses_mismatches(remote):
         cache.check_compatible(remote)
 
 
+def test_check_compatible_names_only_the_differing_fields():
+    cache = make_cache(_block_at_1, torch.bfloat16, SRC_BLOCKS, random=False)
+    with pytest.raises(LayoutMismatch, match=r"refusing the pull: block_size: local 4, remote 8$"):
+        cache.check_compatible(_spec(block_size=BLOCK_SIZE * 2))
+
+
 def test_check_compatible_between_real_caches_of_different_dtype_or_layout():
     bf16 = make_cache(_block_at_1, torch.bfloat16, SRC_BLOCKS, random=False)
     fp16 = make_cache(_block_at_1, torch.float16, SRC_BLOCKS, random=False)

@@ -160,6 +160,39 @@ def test_reclaim_that_times_out_hands_out_nothing():
     assert pool.num_in_flight() == 1
 
 
+def test_buffers_live_on_the_pool_device():
+    # The meta device stands in for CUDA here: the pool must allocate on the device it was
+    # given, without the caller entering a device context.
+    pool = SendBufferPool(device="meta")
+    _, buffer = pool.acquire(4096)
+    assert buffer.device.type == "meta" and buffer.numel() == 4096
+    assert SendBufferPool().acquire(1)[1].device.type == "cpu"
+
+
+def test_a_send_finished_out_of_order_frees_its_buffer():
+    pool = SendBufferPool()
+    first_slot, _ = pool.acquire(1000)
+    first = FakeTracker(done=False)
+    pool.mark_sent(first_slot, first)
+    second_slot, _ = pool.acquire(1000)
+    third_slot, _ = pool.acquire(1000)
+    second, third = FakeTracker(done=False), FakeTracker(done=False)
+    pool.mark_sent(second_slot, second)
+    pool.mark_sent(third_slot, third)
+    third.done = second.done = True  # both finish while the oldest send is still in flight
+    assert pool.num_in_flight() == 1
+    reused = {pool.acquire(1000)[0], pool.acquire(1000)[0]}
+    assert reused == {second_slot, third_slot}  # the oldest send still holds its buffer
+    assert first.waits == []
+
+
+def test_reclaim_with_every_buffer_handed_out_says_so():
+    pool = SendBufferPool(max_buffers=1)
+    pool.acquire(100)  # never marked sent
+    with pytest.raises(RuntimeError, match="none was marked sent"):
+        pool.acquire(100)
+
+
 # ---------------------------------------------------------------- with real sockets
 
 

@@ -254,7 +254,7 @@ def test_layout_mismatch_is_refused(producer, context, dtype_name, layout):
     other_layout = "block-dim-1" if layout == "block-dim-0" else "block-dim-0"
     for foreign in (make_cache(other_dtype, layout, CONSUMER_BLOCKS, seed=None),
                     make_cache(DTYPES[dtype_name], other_layout, CONSUMER_BLOCKS, seed=None)):
-        with pytest.raises(PullFailed, match="layout differs"):
+        with pytest.raises(PullFailed, match="layouts differ, refusing the pull: (dtype|block_dim)"):
             pull_into(context, foreign, source, [0, 1], [0, 1])
         assert_untouched(foreign)
     assert producer.leases.get(lease.handle) is lease  # a refused pull leaves the lease alone

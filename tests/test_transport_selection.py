@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.wire import KVLayoutSpec
-from transfer.kv_layout import LayoutMismatch
+from kvroute.wire import KVLayoutSpec, LinkHello
+from transfer.kv_layout import LayoutMismatch, check_layouts, layout_differences
 from transfer.transports.errors import FrameMismatch, LinkRefused
-from transfer.transports.handshake import RECEIVER, SENDER, LinkHello, check_layouts, layout_differences
+from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.header import TransferHeader
 from transfer.transports.links import LinkTable
 from transfer.transports.selection import choose_backend
@@ -61,7 +61,7 @@ def test_layout_differences_name_each_field():
         "block_shape: local [2, 3, 128, 64], remote [2, 4, 128, 64]",
     ]
     with pytest.raises(LayoutMismatch, match="dtype: local 'bfloat16', remote 'float16'; block_shape"):
-        check_layouts(LAYOUT, other)
+        check_layouts(LAYOUT, other, refusing="the link")
 
 
 def test_transfer_header_round_trip_and_refusals():

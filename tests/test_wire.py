@@ -119,12 +119,44 @@ ERROR_REPLY_HEX = (
     "a76d657373616765" "a46e6f7065"  # message: "nope"
 )
 
+LINK_HELLO = wire.LinkHello(
+    role="sender", device="cpu", host_id="h/b", backends=["zmq-tcp", "gloo"],
+    layout=wire.KVLayoutSpec(dtype="float32", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
+                             block_size=128, bytes_per_block=5_898_240))
+LINK_HELLO_HEX = (
+    "87"
+    "a474797065" "aa6c696e6b5f68656c6c6f"  # type: "link_hello"
+    "a4726f6c65" "a673656e646572"  # role: "sender"
+    "a66c61796f7574" "86"  # layout: map of 6
+    "a56474797065" "a7666c6f61743332"  # dtype: "float32"
+    "aa6e756d5f6c6179657273" "1e"  # num_layers: 30
+    "a9626c6f636b5f64696d" "00"  # block_dim: 0
+    "ab626c6f636b5f7368617065" "940203cc8040"  # block_shape: [2, 3, 128, 64]
+    "aa626c6f636b5f73697a65" "cc80"  # block_size: 128
+    "af62797465735f7065725f626c6f636b" "ce005a0000"  # bytes_per_block: 5898240
+    "a6646576696365" "a3637075"  # device: "cpu"
+    "a7686f73745f6964" "a3682f62"  # host_id: "h/b"
+    "a86261636b656e6473" "92" "a77a6d712d746370" "a4676c6f6f"  # backends: ["zmq-tcp", "gloo"]
+    "a9726571756573746564" "a46175746f"  # requested: "auto"
+)
+
+LINK_SETUP = wire.LinkSetup(backend="zmq-tcp", address="tcp://127.0.0.1:5000")
+LINK_SETUP_HEX = (
+    "84"
+    "a474797065" "aa6c696e6b5f7365747570"  # type: "link_setup"
+    "a76261636b656e64" "a77a6d712d746370"  # backend: "zmq-tcp"
+    "a761646472657373" "b47463703a2f2f3132372e302e302e313a35303030"  # address
+    "a56572726f72" "a0"  # error: ""
+)
+
 GOLDEN = [
     pytest.param(GENERATE_REQUEST, GENERATE_REQUEST_HEX, id="GenerateRequest"),
     pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
     pytest.param(HEARTBEAT, HEARTBEAT_HEX, id="Heartbeat"),
     pytest.param(PULL_BLOCKS, PULL_BLOCKS_HEX, id="PullBlocks"),
     pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
+    pytest.param(LINK_HELLO, LINK_HELLO_HEX, id="LinkHello"),
+    pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
 ]
 
 
@@ -168,6 +200,7 @@ ROUND_TRIP = [
     wire.ReleaseReply(released=True),
     wire.TransferStatsRequest(),
     wire.TransferStatsReply(counters=wire.TransferCounters(leases_granted=4), layout=PULL_BLOCKS.layout),
+    wire.LinkSetup(backend="gloo", error="no free port"),
 ]
 
 

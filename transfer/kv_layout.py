@@ -22,6 +22,20 @@ class LayoutMismatch(ValueError):
     """Two engines whose KV caches cannot exchange blocks byte for byte."""
 
 
+def layout_differences(local: KVLayoutSpec, remote: KVLayoutSpec) -> list[str]:
+    """Each field in which two layouts differ, as 'field: local …, remote …'."""
+    return [f"{field}: local {getattr(local, field)!r}, remote {getattr(remote, field)!r}"
+            for field in local.__struct_fields__ if getattr(local, field) != getattr(remote, field)]
+
+
+def check_layouts(local: KVLayoutSpec, remote: KVLayoutSpec, refusing: str) -> None:
+    """Raise LayoutMismatch naming every differing field; ``refusing`` says what is refused."""
+    differences = layout_differences(local, remote)
+    if differences:
+        # block_shape holds the heads, block size and head size in the engine's own order.
+        raise LayoutMismatch(f"KV cache layouts differ, refusing {refusing}: " + "; ".join(differences))
+
+
 def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     """The one dimension of a layer's cache whose size is the engine's block count."""
     candidates = [dim for dim, size in enumerate(tensor.shape) if size == num_blocks]
@@ -73,8 +87,7 @@ class PagedKVCache:
         return self.spec.bytes_per_block // self.spec.num_layers
 
     def check_compatible(self, remote: KVLayoutSpec) -> None:
-        if remote != self.spec:
-            raise LayoutMismatch(f"KV layout differs: local {self.spec}, remote {remote}")
+        check_layouts(self.spec, remote, refusing="the pull")
 
     @property
     def is_host_memory(self) -> bool:

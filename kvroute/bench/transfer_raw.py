@@ -6,16 +6,21 @@ message per layer, sent with ``copy=False`` from buffers allocated (and touched)
 before timing starts. Nothing is gathered on the sending side, nothing is scattered
 on the receiving side unless the caller passes a sink: it is the transport alone.
 
-The sender runs in its own process (``multiprocessing`` spawn), optionally pinned to
-the same CPUs as the engine's block-server thread, so it competes for cores the way
-the real producer does.
+The sender (``serve``) binds any ZeroMQ endpoint, so tcp and ipc links each get a raw
+baseline over their own transport. It runs in its own process (``RawSender``,
+``multiprocessing`` spawn), optionally pinned to the same CPUs as the engine's
+block-server thread so it competes for cores the way the real producer does, or on a
+thread of a process that also hosts a link under test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
+import secrets
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,15 +40,27 @@ class _Command(msgspec.Struct):
     num_frames: int = 0
 
 
-def _serve(address_queue, cpus: Sequence[int] | None) -> None:
-    """Sender process main: answer prepare/send/stop on a ROUTER socket."""
+LOOPBACK_TCP = "tcp://127.0.0.1:*"
+
+
+def ipc_bind_address(directory: str | None = None) -> str:
+    """A fresh ipc endpoint for ``serve``, which removes the socket file when it returns."""
+    name = f"kvroute-raw-{secrets.token_hex(8)}.sock"
+    return f"ipc://{os.path.join(directory or tempfile.gettempdir(), name)}"
+
+
+def serve(address_queue, cpus: Sequence[int] | None = None, bind_address: str = LOOPBACK_TCP) -> None:
+    """The raw sender's main loop: answer prepare/send/stop on a ROUTER socket bound at
+    ``bind_address`` (any ZeroMQ endpoint; ``*`` for a free tcp port). The endpoint actually
+    bound goes to ``address_queue`` (anything with ``put``) before the first request.
+    Runs in a process of its own (``RawSender``) or on a thread of the caller's."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))  # before the context, so libzmq's I/O thread inherits it
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    address_queue.put(f"tcp://127.0.0.1:{port}")
+    socket.bind(bind_address)
+    address_queue.put(socket.getsockopt_string(zmq.LAST_ENDPOINT))
     buffers: dict[tuple[int, int], list[np.ndarray]] = {}
     decoder = msgspec.msgpack.Decoder(_Command)
     try:
@@ -57,8 +74,9 @@ def _serve(address_queue, cpus: Sequence[int] | None) -> None:
             if command.op == "prepare":
                 if key not in buffers:
                     # np.full touches every page, as a live KV cache / reused send buffer is.
-                    buffers[key] = [np.full(command.frame_bytes, i % 251, dtype=np.uint8)
-                                    for i in range(command.num_frames)]
+                    # One size is held at a time: a sweep's largest sizes are hundreds of MB.
+                    buffers = {key: [np.full(command.frame_bytes, i % 251, dtype=np.uint8)
+                                     for i in range(command.num_frames)]}
                 socket.send_multipart([identity, b"ready"])
             elif command.op == "send":
                 frames = buffers[key]
@@ -69,30 +87,30 @@ def _serve(address_queue, cpus: Sequence[int] | None) -> None:
     finally:
         socket.close(linger=0)
         context.term()
+        if bind_address.startswith("ipc://"):  # libzmq leaves a bound ipc socket's file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(bind_address.removeprefix("ipc://"))
 
 
 class RawSender:
     """The sending process; ``stop()`` ends it (also called on context exit)."""
 
-    def __init__(self, cpus: Sequence[int] | None = None, timeout: float = 60.0):
+    def __init__(self, cpus: Sequence[int] | None = None, timeout: float = 60.0,
+                 bind_address: str = LOOPBACK_TCP):
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        self.process = ctx.Process(target=_serve, args=(queue, list(cpus) if cpus else None),
+        self.process = ctx.Process(target=serve, args=(queue, list(cpus) if cpus else None, bind_address),
                                    name="kvroute-raw-sender", daemon=True)
         self.process.start()
         self.address: str = queue.get(timeout=timeout)
 
     def stop(self) -> None:
         if self.process.is_alive():
-            context = zmq.Context.instance()
-            socket = context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self.address)
+            receiver = RawReceiver(self.address)
             try:
-                socket.send(msgspec.msgpack.encode(_Command("stop")))
-                socket.poll(2000)
+                receiver.stop_sender()
             finally:
-                socket.close(linger=0)
+                receiver.close()
             self.process.join(5)
         if self.process.is_alive():
             self.process.terminate()
@@ -161,6 +179,12 @@ class RawReceiver:
         finally:
             if fresh_socket:
                 socket.close(linger=0)
+
+    def stop_sender(self, timeout: float = 2.0) -> None:
+        """Ask the sender (``serve``) to return, closing its socket (and ipc file)."""
+        socket = self._persistent()
+        socket.send(msgspec.msgpack.encode(_Command("stop")))
+        socket.poll(int(timeout * 1000))
 
     def close(self) -> None:
         if self._socket is not None:

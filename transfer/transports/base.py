@@ -33,22 +33,13 @@ from typing import Protocol
 
 import torch
 
-from transfer.send_buffers import SendBufferPool
+from transfer.send_buffers import SendBufferPool, Tracker
 from transfer.transports.errors import LinkClosed, TransportError, seconds_left
 from transfer.transports.header import TransferHeader
 from transfer.transports.settings import LinkOptions
 
 LayerSource = Callable[[int, torch.Tensor], None]
 LayerSink = Callable[[int, torch.Tensor], None]
-
-
-class SendTracker(Protocol):
-    """What ``SendBufferPool`` needs to know of a send: zmq.MessageTracker has this shape."""
-
-    @property
-    def done(self) -> bool: ...
-
-    def wait(self, timeout: float) -> None: ...
 
 
 class _LinkEnd(ABC):
@@ -101,7 +92,7 @@ class _LinkEnd(ABC):
 class Sender(_LinkEnd):
     def __init__(self, options: LinkOptions):
         super().__init__(options)
-        self._buffers = SendBufferPool()
+        self._buffers = SendBufferPool(device=options.device)
 
     def send(self, frame_bytes: Sequence[int], fill: LayerSource, deadline: float,
              transfer_id: int = 0) -> int:
@@ -114,7 +105,7 @@ class Sender(_LinkEnd):
         trackers = [self._send_header(header.pack(), deadline)]
         for group in self._message_groups(header.frame_bytes):
             sizes = [header.frame_bytes[index] for index in group]
-            slot, buffer = self._acquire(sum(sizes))
+            slot, buffer = self._buffers.acquire(sum(sizes))
             offset = 0
             for index, nbytes in zip(group, sizes):
                 fill(index, buffer[offset:offset + nbytes])
@@ -130,20 +121,11 @@ class Sender(_LinkEnd):
         """Which consecutive frames travel together as one message; by default each alone."""
         return [range(index, index + 1) for index in range(len(frame_bytes))]
 
-    def _acquire(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        if self.device.type == "cpu":
-            return self._buffers.acquire(nbytes)
-        # The pool allocates with a plain torch.empty; the device context puts its buffers
-        # where this link's frames live (CUDA for NCCL). Not on CPU: the context routes every
-        # tensor call through a Python mode, which tripled the cost of each acquire.
-        with self.device:
-            return self._buffers.acquire(nbytes)
+    @abstractmethod
+    def _send_header(self, packed: bytes, deadline: float) -> Tracker | None: ...
 
     @abstractmethod
-    def _send_header(self, packed: bytes, deadline: float) -> SendTracker | None: ...
-
-    @abstractmethod
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> SendTracker | None:
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> Tracker | None:
         """Start sending one message (a group of frames); None when ``buffer`` may be reused at once."""
 
 

@@ -9,57 +9,33 @@
       ── LinkSetup(backend, address) ─────────▶ join(address)
 
 The layout check happens on both ends, so neither side ever moves a byte between
-caches that would read it differently.
+caches that would read it differently. The messages are ``kvroute.wire`` types, so
+their encoding is pinned by the same golden payloads as every other message.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Union
 
-import msgspec
-
-from kvroute.wire import KVLayoutSpec
-from transfer.kv_layout import LayoutMismatch
+from kvroute import wire
+from kvroute.wire import LinkHello, LinkSetup
+from transfer.kv_layout import check_layouts
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused
 
 SENDER, RECEIVER = "sender", "receiver"
 
 
-class _HandshakeMessage(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
-    pass
-
-
-class LinkHello(_HandshakeMessage, tag="link_hello"):
-    role: str  # SENDER or RECEIVER
-    layout: KVLayoutSpec
-    device: str  # "cpu" or "cuda": where this end's frames live
-    host_id: str  # equal on two ends that can share an ipc socket (see ``host_identity``)
-    backends: list[str]  # the backends this end can run
-    requested: str = "auto"  # this end's override, if any
-
-
-class LinkSetup(_HandshakeMessage, tag="link_setup"):
-    backend: str
-    address: str = ""
-    error: str = ""  # set when the sender could not host; the receiver fails at once
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Union[LinkHello, LinkSetup])
-
-
-def encode(message: _HandshakeMessage) -> bytes:
-    return _encoder.encode(message)
+def send(control: ControlChannel, message: LinkHello | LinkSetup) -> None:
+    control.send_bytes(wire.encode(message))
 
 
 def receive(control: ControlChannel, kind: type, deadline: float):
     """The next control message, which must be a ``kind``."""
     try:
-        message = _decoder.decode(control.receive_bytes(deadline))
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        message = wire.decode(control.receive_bytes(deadline))
+    except wire.WireError as error:
         raise LinkRefused(f"malformed first-contact message: {error}") from error
     if not isinstance(message, kind):
         raise LinkRefused(f"expected {kind.__name__} at first contact, got {type(message).__name__}")
@@ -68,25 +44,12 @@ def receive(control: ControlChannel, kind: type, deadline: float):
 
 def exchange_hellos(control: ControlChannel, local: LinkHello, deadline: float) -> LinkHello:
     """Send ours, read theirs, and check the two can form a link at all."""
-    control.send_bytes(encode(local))
+    send(control, local)
     remote = receive(control, LinkHello, deadline)
     if remote.role == local.role:
         raise LinkRefused(f"both ends of the link are {local.role}s")
-    check_layouts(local.layout, remote.layout)
+    check_layouts(local.layout, remote.layout, refusing="the link")
     return remote
-
-
-def layout_differences(local: KVLayoutSpec, remote: KVLayoutSpec) -> list[str]:
-    """Each field in which two layouts differ, as 'field: local …, remote …'."""
-    return [f"{field}: local {getattr(local, field)!r}, remote {getattr(remote, field)!r}"
-            for field in local.__struct_fields__ if getattr(local, field) != getattr(remote, field)]
-
-
-def check_layouts(local: KVLayoutSpec, remote: KVLayoutSpec) -> None:
-    differences = layout_differences(local, remote)
-    if differences:
-        # block_shape holds the heads, block size and head size in the engine's own order.
-        raise LayoutMismatch("KV cache layouts differ, refusing the link: " + "; ".join(differences))
 
 
 def host_identity() -> str:

@@ -15,12 +15,11 @@ from typing import Generic, TypeVar
 import torch
 import zmq
 
-from kvroute.wire import KVLayoutSpec
+from kvroute.wire import KVLayoutSpec, LinkHello, LinkSetup
 from transfer.transports.base import Receiver, Sender
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused
-from transfer.transports.handshake import RECEIVER, SENDER, LinkHello, LinkSetup, encode, exchange_hellos, \
-    host_identity, receive
+from transfer.transports.handshake import RECEIVER, SENDER, exchange_hellos, host_identity, receive, send
 from transfer.transports.selection import backend, choose_backend, runnable_backends
 from transfer.transports.settings import LinkOptions, TransportSettings
 
@@ -44,10 +43,10 @@ def open_sender(control: ControlChannel, layout: KVLayoutSpec, device: torch.dev
     try:
         hosted = backend(name).host(options, deadline)
     except Exception as error:
-        control.send_bytes(encode(LinkSetup(backend=name, error=str(error))))
+        send(control, LinkSetup(backend=name, error=str(error)))
         raise
     try:
-        control.send_bytes(encode(LinkSetup(backend=name, address=hosted.address)))
+        send(control, LinkSetup(backend=name, address=hosted.address))
         return hosted.accept(deadline)
     except BaseException:
         hosted.cancel()

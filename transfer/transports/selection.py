@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from kvroute.wire import LinkHello
 from transfer.transports import distributed, fake, zmq_backend
 from transfer.transports.base import Backend
 from transfer.transports.errors import LinkRefused
-from transfer.transports.handshake import LinkHello
 from transfer.transports.settings import AUTO
 
 BACKENDS: dict[str, Backend] = {

@@ -1,0 +1,100 @@
+"""``kvroute bench transfer``: moving a prompt's KV against recomputing it, per backend and link.
+
+Phases, each writing into one results document::
+
+    engine     one kvroute worker: its KV layout (bytes per token) and the recompute
+               seconds of every prompt length (skipped with --no-engine: the layout then
+               comes from the model's config.json and the dtype a worker would pick)
+    loopback   zmq-tcp, zmq-ipc and gloo against their raw baselines (transfer_pair)
+    shaped     per rate, two fresh network namespaces joined by a tc-shaped veth pair;
+               zmq-tcp and gloo only (ipc would bypass the link), created and removed
+               here, also on errors and Ctrl-C (skipped with --no-shaped)
+
+Then ``DIR/results.json``, ``DIR/transfer_vs_recompute.png`` and the tables. The engine is
+stopped before any transfer is timed, so its threads do not compete for the cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvroute import config
+from kvroute.config import setting
+
+LOOPBACK_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo")
+SHAPED_BACKENDS = ("zmq-tcp", "gloo")  # tcp underneath: the only traffic tc shapes
+
+
+@dataclass(frozen=True)
+class TransferBenchSettings:
+    max_prompt_tokens: int = setting(8192, "longest prompt of the sweep; lengths are powers of two from 128")
+    output: str = setting("results/bench_transfer", "folder for results.json and the plot")
+    reps: int = setting(5, "timed repetitions per measurement, after one warm-up; medians are reported")
+    engine: bool = setting(True, "measure recompute on a real engine (--no-engine: transfers only)")
+    shaped: bool = setting(True, "repeat on tc-shaped links between network namespaces (needs root)")
+    shaped_rates: tuple[str, ...] = setting(("1gbit", "100mbit"), "tc rates of the shaped links, comma-separated")
+    shaped_max_seconds: float = setting(2.0, "on a shaped link, only prompt lengths whose KV crosses it at its "
+                                             "rate within this many seconds")
+    model: str = setting("", "model folder or hub id (default: the project's SmolLM2-135M-Instruct)")
+    dtype: str = setting("auto", "engine dtype; auto: what a worker picks on this machine")
+    start_timeout: float = setting(900.0, "seconds to wait for the engine to start")
+
+    def __post_init__(self) -> None:
+        if self.reps < 1:
+            raise ValueError("reps must be at least 1")
+        if self.shaped_max_seconds <= 0:
+            raise ValueError("shaped_max_seconds must be positive")
+
+
+def add_cli(bench_commands) -> None:
+    parser = bench_commands.add_parser("transfer", help="KV transfer per backend and link vs recompute on the engine")
+    config.add_arguments(parser, TransferBenchSettings)
+    parser.set_defaults(func=lambda args: run(config.load(TransferBenchSettings, args)))
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # so every ``finally`` (engine, namespaces) still runs
+
+
+def run(settings: TransferBenchSettings) -> int:
+    from rich.console import Console
+
+    from kvroute.bench.transfer_phases import Phases
+
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    output = Path(settings.output)
+    output.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    phases = Phases(settings, console, output)
+    started = time.perf_counter()
+    try:
+        phases.run_all()
+    except BaseException as error:
+        phases.results["error"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        phases.results["config"]["wall_seconds"] = time.perf_counter() - started
+        path = output / "results.json"
+        path.write_text(json.dumps(phases.results, indent=2, default=str))
+        console.log(f"wrote {path}" + (" (partial: the run failed)" if "error" in phases.results else ""))
+    phases.report()
+    return 0
+
+
+def describe_run(settings: TransferBenchSettings) -> dict:
+    """The run's settings and where it ran, for the results document."""
+    import torch
+    import zmq
+
+    return {**dataclasses.asdict(settings), "command": [sys.executable, *sys.argv],
+            "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "versions": {"torch": torch.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
+            "cuda": torch.cuda.is_available(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

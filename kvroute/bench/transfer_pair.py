@@ -1,0 +1,288 @@
+"""Each transport backend against its raw baseline, between the same two processes.
+
+Two spawned processes, each optionally inside a network namespace (``transfer_netns``)
+and bound to its own address::
+
+    caller ──plan──▶ receiver process ──commands──▶ sender process
+       ◀──rows───        │  ◀──── control (first contact) ────▶ │
+                         │  ◀════ link frames / raw frames ════ │
+
+Per backend and transfer size both the backend's link (``transfer.transports``) and its
+raw baseline move the same bytes in the same frames: plain pyzmq zero-copy over the
+backend's own transport (``transfer_raw``, its sender on a thread of the sending
+process) or plain torch.distributed send/recv (``transfer_raw_dist``). Nothing is
+gathered or scattered: it is the transport alone. Timing runs on the receiving side,
+from the request to the last frame; one warm-up each, then the repetitions interleaved
+so drift hits both alike; medians are reported. Ratio = raw seconds / backend seconds.
+
+The command and control pipes are inherited file descriptors, so they work across
+network namespaces; only the payload crosses the (possibly shaped) link.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvroute.bench import transfer_netns, transfer_raw, transfer_raw_dist
+from kvroute.wire import KVLayoutSpec
+from transfer.transports.control import ConnectionChannel
+from transfer.transports.links import open_receiver, open_sender
+from transfer.transports.settings import TransportSettings
+
+RAW_BASELINE = {"zmq-tcp": "raw pyzmq tcp", "zmq-ipc": "raw pyzmq ipc", "gloo": "raw torch.distributed"}
+SENDER_RANK, RECEIVER_RANK = 1, 0  # of the raw Gloo group, which the receiving process hosts
+DEADLINE_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class PairEnd:
+    """Where one process runs: its own address, and the namespace it enters (None: this one)."""
+
+    host: str = "127.0.0.1"
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    backends: tuple[str, ...]
+    frame_sizes: tuple[int, ...]  # bytes per frame, one transfer size each
+    num_frames: int  # frames per transfer, one per layer
+    reps: int = 5
+    sender: PairEnd = field(default_factory=PairEnd)
+    receiver: PairEnd = field(default_factory=PairEnd)
+
+
+def stand_in_layout(num_frames: int) -> KVLayoutSpec:
+    """Only the first contact reads it; both ends use the same one."""
+    return KVLayoutSpec(dtype="uint8", num_layers=num_frames, block_dim=0, block_shape=[1], block_size=1,
+                        bytes_per_block=num_frames)
+
+
+def _raw_zmq_bind_address(backend: str, host: str) -> str:
+    return transfer_raw.ipc_bind_address() if backend == "zmq-ipc" else f"tcp://{host}:*"
+
+
+# ---------------------------------------------------------------- the sending process
+
+
+class Peer:
+    """The sending process's state: one link sender per backend, the raw senders."""
+
+    def __init__(self, control: ConnectionChannel, end: PairEnd):
+        self.control = control
+        self.end = end
+        self.senders = {}
+        self.raw_group = None
+        self.raw_frames: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.touched: set[int] = set()
+
+    def fill_once(self, index: int, out: torch.Tensor) -> None:
+        # Writes each send buffer once, on first use, so its pages are mapped as a gather's
+        # would be (an untouched buffer reads the shared zero page, unfairly fast); timed
+        # repetitions reuse the buffers and measure the transport alone.
+        if out.data_ptr() not in self.touched:
+            out.fill_(index % 251)
+            self.touched.add(out.data_ptr())
+
+    def handle(self, op: str, *args):
+        return getattr(self, "_" + op.replace("-", "_"))(*args)
+
+    def _open(self, backend: str, num_frames: int) -> None:
+        settings = TransportSettings(backend=backend, host=self.end.host)
+        self.senders[backend] = open_sender(self.control, stand_in_layout(num_frames), "cpu",
+                                            time.monotonic() + DEADLINE_SECONDS, settings)
+
+    def _send(self, backend: str, frame_bytes: int, num_frames: int, transfer_id: int) -> None:
+        self.senders[backend].send([frame_bytes] * num_frames, self.fill_once,
+                                   time.monotonic() + DEADLINE_SECONDS, transfer_id)
+
+    def _raw_zmq(self, bind_address: str) -> str:
+        addresses: queue.Queue = queue.Queue()
+        # On a thread of this process: the same two processes as the backend's link.
+        threading.Thread(target=transfer_raw.serve, args=(addresses, None, bind_address), daemon=True).start()
+        return addresses.get(timeout=30)
+
+    def _raw_dist_join(self, address: str) -> None:
+        store = transfer_raw_dist.connect_store(address)
+        self.raw_group = transfer_raw_dist.pair_group(store, SENDER_RANK, host=self.end.host)
+
+    def _raw_dist_send(self, frame_bytes: int, num_frames: int) -> None:
+        key = (frame_bytes, num_frames)
+        if key not in self.raw_frames:
+            self.raw_frames = {key: transfer_raw_dist.touched_frames(*key)}  # one size held at a time
+        transfer_raw_dist.send_frames(self.raw_group, self.raw_frames[key], RECEIVER_RANK)
+
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()  # a zmq-ipc sender removes its socket file
+
+
+def sender_main(commands, control, end: PairEnd) -> None:
+    transfer_netns.enter_namespace(end.namespace)
+    peer = Peer(ConnectionChannel(control), end)
+    try:
+        while (command := commands.recv())[0] != "stop":
+            try:
+                commands.send(("ok", peer.handle(*command)))
+            except Exception as error:  # reported to the measuring side, which stops
+                commands.send(("error", repr(error)))
+    finally:
+        peer.close()
+
+
+# ---------------------------------------------------------------- the measuring process
+
+
+class Measurement:
+    def __init__(self, commands, control, plan: PairPlan):
+        self.commands = commands
+        self.control = ConnectionChannel(control)
+        self.plan = plan
+        self.num_frames = plan.num_frames
+        self.receivers = {}
+        self.raw_zmq = {}
+        self.raw_buffers: dict[int, list[torch.Tensor]] = {}
+        self.transfer_id = 0
+
+    def ask(self, *command):
+        self.commands.send(command)
+        return self.answer()
+
+    def answer(self):
+        status, value = self.commands.recv()
+        if status != "ok":
+            raise RuntimeError(f"the sending peer failed: {value}")
+        return value
+
+    def open_links(self) -> None:
+        for backend in self.plan.backends:
+            self.commands.send(("open", backend, self.num_frames))
+            settings = TransportSettings(backend=backend, host=self.plan.receiver.host)
+            self.receivers[backend] = open_receiver(self.control, stand_in_layout(self.num_frames), "cpu",
+                                                    time.monotonic() + DEADLINE_SECONDS, settings)
+            self.answer()
+            assert self.receivers[backend].backend == backend
+
+    def open_raw(self) -> None:
+        for backend in self.plan.backends:
+            if backend.startswith("zmq"):
+                address = self.ask("raw-zmq", _raw_zmq_bind_address(backend, self.plan.sender.host))
+                self.raw_zmq[backend] = transfer_raw.RawReceiver(address)
+        if "gloo" in self.plan.backends:
+            host = self.plan.receiver.host
+            self.raw_store, address = transfer_raw_dist.host_store(host)  # kept for the group's lifetime
+            self.commands.send(("raw-dist-join", address))
+            self.raw_group = transfer_raw_dist.pair_group(self.raw_store, RECEIVER_RANK, host=host)
+            self.answer()
+
+    def backend_seconds(self, backend: str, frame_bytes: int) -> float:
+        self.transfer_id += 1
+        start = time.perf_counter()
+        self.commands.send(("send", backend, frame_bytes, self.num_frames, self.transfer_id))
+        self.receivers[backend].receive([frame_bytes] * self.num_frames, lambda *_: None,
+                                        time.monotonic() + DEADLINE_SECONDS, self.transfer_id)
+        seconds = time.perf_counter() - start
+        self.answer()
+        return seconds
+
+    def raw_seconds(self, backend: str, frame_bytes: int) -> float:
+        if backend.startswith("zmq"):
+            return self.raw_zmq[backend].transfer(frame_bytes, self.num_frames, timeout=DEADLINE_SECONDS)[0]
+        if frame_bytes not in self.raw_buffers:  # one size held at a time
+            self.raw_buffers = {frame_bytes: transfer_raw_dist.touched_frames(frame_bytes, self.num_frames)}
+        start = time.perf_counter()
+        self.commands.send(("raw-dist-send", frame_bytes, self.num_frames))
+        transfer_raw_dist.receive_frames(self.raw_group, self.raw_buffers[frame_bytes], SENDER_RANK)
+        seconds = time.perf_counter() - start
+        self.answer()
+        return seconds
+
+    def measure(self, backend: str, frame_bytes: int) -> dict:
+        if backend.startswith("zmq"):
+            self.raw_zmq[backend].prepare(frame_bytes, self.num_frames)
+        self.backend_seconds(backend, frame_bytes), self.raw_seconds(backend, frame_bytes)  # warm-up
+        samples = {"backend": [], "raw": []}
+        for _ in range(self.plan.reps):
+            samples["backend"].append(self.backend_seconds(backend, frame_bytes))
+            samples["raw"].append(self.raw_seconds(backend, frame_bytes))
+        return summarise(backend, frame_bytes, self.num_frames, samples)
+
+    def rows(self) -> Iterator[dict]:
+        self.open_links()
+        self.open_raw()
+        try:
+            for backend in self.plan.backends:
+                for frame_bytes in self.plan.frame_sizes:
+                    yield self.measure(backend, frame_bytes)
+        finally:
+            for raw in self.raw_zmq.values():
+                raw.stop_sender()  # its socket closes, and an ipc socket file goes with it
+                raw.close()
+
+
+def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str, list[float]]) -> dict:
+    """One row: medians of the backend's and the raw baseline's samples, and their ratio."""
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    nbytes = frame_bytes * num_frames
+    return {"backend": backend, "baseline": RAW_BASELINE[backend], "bytes": nbytes,
+            "frame_bytes": frame_bytes, "num_frames": num_frames, "samples_seconds": samples,
+            "backend_seconds": medians["backend"], "raw_seconds": medians["raw"],
+            "backend_gb_per_s": nbytes / medians["backend"] / 1e9, "raw_gb_per_s": nbytes / medians["raw"] / 1e9,
+            "ratio": medians["raw"] / medians["backend"]}
+
+
+def receiver_main(plan: PairPlan, commands, control, results) -> None:
+    try:
+        transfer_netns.enter_namespace(plan.receiver.namespace)
+        for row in Measurement(commands, control, plan).rows():
+            results.send(("row", row))
+        results.send(("done", None))
+    except Exception as error:
+        results.send(("error", repr(error)))
+    finally:
+        commands.send(("stop",))
+
+
+# ---------------------------------------------------------------- the caller
+
+
+def run_pair(plan: PairPlan, on_row: Callable[[dict], None] = lambda row: None,
+             timeout: float = 3600.0) -> list[dict]:
+    """Measure ``plan`` in two fresh processes; ``on_row`` sees each row as it is measured."""
+    spawn = multiprocessing.get_context("spawn")
+    commands, peer_commands = spawn.Pipe()
+    control, peer_control = spawn.Pipe()
+    results, receiver_results = spawn.Pipe()
+    sender = spawn.Process(target=sender_main, args=(peer_commands, peer_control, plan.sender),
+                           name="kvroute-bench-sender", daemon=True)
+    receiver = spawn.Process(target=receiver_main, args=(plan, commands, control, receiver_results),
+                             name="kvroute-bench-receiver", daemon=True)
+    rows: list[dict] = []
+    sender.start()
+    receiver.start()
+    try:
+        while True:
+            if not results.poll(timeout):
+                raise TimeoutError(f"no measurement for {timeout:.0f} s")
+            kind, value = results.recv()
+            if kind == "error":
+                raise RuntimeError(f"the measuring process failed: {value}")
+            if kind == "done":
+                return rows
+            rows.append(value)
+            on_row(value)
+    finally:
+        for process in (receiver, sender):
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)

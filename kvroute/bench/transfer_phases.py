@@ -1,0 +1,139 @@
+"""The phases of ``kvroute bench transfer`` (see ``transfer_bench``), filling one results document.
+
+Each phase stores what it measured as soon as it has it, so a failure late in the run
+still leaves the earlier numbers in ``results.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from kvroute.bench import transfer_calibration, transfer_report
+from kvroute.bench.transfer_bench import LOOPBACK_BACKENDS, SHAPED_BACKENDS, TransferBenchSettings, describe_run
+from kvroute.bench.transfer_netns import RECEIVER_ADDRESS, SENDER_ADDRESS, ShapedLink, rate_bits_per_second, \
+    shaping_available
+from kvroute.bench.transfer_pair import PairEnd, PairPlan, run_pair
+from kvroute.bench.transfer_sweep import KVBytes, crossovers, lengths_within, prompt_lengths, result_rows, \
+    sort_rows
+from orchestrator.planner.calibration import LinkCalibrator
+
+LOOPBACK = "loopback"
+
+
+class Phases:
+    def __init__(self, settings: TransferBenchSettings, console: Console, output: Path):
+        self.settings = settings
+        self.console = console
+        self.output = output
+        self.lengths = prompt_lengths(settings.max_prompt_tokens)
+        self.recompute: dict[int, float] = {}
+        self.kv: KVBytes | None = None
+        self.results: dict = {"config": describe_run(settings), "prompt_tokens": self.lengths, "links": [],
+                              "skipped": {}}
+
+    def run_all(self) -> None:
+        self.measure_engine()
+        self.measure_link(LOOPBACK, LOOPBACK_BACKENDS, self.lengths, PairEnd(), PairEnd())
+        if self.settings.shaped:
+            self.measure_shaped_links()
+        else:
+            self.results["skipped"]["shaped"] = "--no-shaped"
+        self.results["skipped"]["nccl"] = "the pair moves host-memory frames only; NCCL is not measured here"
+        self.summarise()
+
+    # ---------------------------------------------------------------- engine
+
+    def measure_engine(self) -> None:
+        from kvroute.model_prep import resolve_model
+        from kvroute.worker.dtype import resolve_here
+
+        model = resolve_model(self.settings.model or None)
+        dtype = resolve_here(self.settings.dtype)
+        if not self.settings.engine:
+            from kvroute.bench.transfer_recompute import kv_bytes_from_model
+
+            self.results["skipped"]["recompute"] = "--no-engine"
+            self._set_layout(kv_bytes_from_model(model, dtype))
+            return
+        from kvroute.bench.transfer_recompute import RecomputeEngine
+
+        self.console.rule("recompute on the engine")
+        with RecomputeEngine(model, dtype, self.lengths[-1], self.output / "logs",
+                             self.settings.start_timeout) as engine:
+            self._set_layout(engine.kv_bytes())
+            self.results["recompute"] = {}
+            for tokens, measured in engine.measure(self.lengths, self.settings.reps, self._log_recompute).items():
+                self.recompute[tokens] = measured["median"]
+
+    def _log_recompute(self, tokens: int, measured: dict) -> None:
+        self.results["recompute"][str(tokens)] = measured
+        self.console.log(f"recompute {tokens} tokens: {measured['median'] * 1e3:.1f} ms")
+
+    def _set_layout(self, kv: KVBytes) -> None:
+        self.kv = kv
+        self.results["layout"] = {"bytes_per_token": kv.bytes_per_token, "num_layers": kv.num_layers,
+                                  "dtype": kv.dtype, "source": kv.source}
+        self.console.log(f"KV layout ({kv.source}): {kv.bytes_per_token:,} bytes per token in {kv.dtype}, "
+                         f"{kv.num_layers} layers")
+
+    # ---------------------------------------------------------------- links
+
+    def measure_link(self, name: str, backends: tuple[str, ...], lengths: list[int], sender: PairEnd,
+                     receiver: PairEnd, rate: str | None = None) -> None:
+        self.console.rule(f"transfers over {name}")
+        plan = PairPlan(backends=backends, frame_sizes=tuple(self.kv.frame_bytes(n) for n in lengths),
+                        num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver)
+        link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
+        self.results["links"].append(link)
+        run_pair(plan, on_row=lambda row: self._log_transfer(link, row))
+
+    def _log_transfer(self, link: dict, row: dict) -> None:
+        link["pair_rows"].append(row)
+        tokens = row["bytes"] // self.kv.bytes_per_token
+        self.console.log(f"{link['name']} {row['backend']} {tokens} tokens ({row['bytes'] / 1e6:.1f} MB): "
+                         f"{row['backend_seconds'] * 1e3:.1f} ms, {row['baseline']} {row['raw_seconds'] * 1e3:.1f} ms, "
+                         f"ratio {row['ratio']:.2f}")
+
+    def measure_shaped_links(self) -> None:
+        reason = shaping_available()
+        if reason:
+            self.results["skipped"]["shaped"] = reason
+            self.console.log(f"[yellow]no shaped links: {reason}")
+            return
+        for rate in self.settings.shaped_rates:
+            lengths = lengths_within(self.lengths, self.kv, rate_bits_per_second(rate),
+                                     self.settings.shaped_max_seconds)
+            # Unique per run, short enough for interface names (15 characters).
+            with ShapedLink(f"kvrb{os.getpid() % 100000}", rate) as shaped:
+                self.measure_link(f"veth-{rate}", SHAPED_BACKENDS, lengths,
+                                  PairEnd(SENDER_ADDRESS, shaped.sender_namespace),
+                                  PairEnd(RECEIVER_ADDRESS, shaped.receiver_namespace), rate)
+
+    # ---------------------------------------------------------------- results
+
+    def summarise(self) -> None:
+        calibrator = transfer_calibration.observe_results(LinkCalibrator(), self.results)
+        self.results["link_estimates"] = transfer_calibration.estimates_report(calibrator)
+        rows = []
+        for link in self.results["links"]:
+            rows += result_rows(link["name"], self.kv, link["pair_rows"], self.recompute)
+            rows += self._predicted_rows(link, calibrator)
+        self.results["results"] = sort_rows(rows)
+        self.results["crossovers"] = crossovers(rows)
+
+    def _predicted_rows(self, link: dict, calibrator: LinkCalibrator) -> list[dict]:
+        """Lengths this link skipped, predicted from its estimate, so a slow link's crossover
+        shows even where measuring it would take minutes."""
+        skipped = [n for n in self.lengths if n not in link["prompt_tokens"]]
+        backends = sorted({row["backend"] for row in link["pair_rows"]})
+        return [row for backend in backends for row in transfer_calibration.predicted_rows(
+            link["name"], backend, self.kv, skipped,
+            calibrator.estimate(*transfer_calibration.link_key(link["name"], backend)), self.recompute)]
+
+    def report(self) -> None:
+        transfer_report.print_report(self.results, self.console)
+        path = transfer_report.plot(self.results, self.output / transfer_report.PLOT_NAME)
+        self.console.log(f"wrote {path}")
