@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import re
@@ -65,7 +64,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -73,11 +72,15 @@ if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not 
     sys.path.insert(0, str(REPO_ROOT))
 
 import httpx  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
-from kvroute.bench.workloads import (RepositoryAssistantConfig, WorkloadRequest, estimate_prefix_tokens,  # noqa: E402
+from kvroute.bench import replay_plots  # noqa: E402
+from kvroute.bench.replay import POLICY_HEADER, REQUEST_TIMEOUT_S, ReplayTarget, Row, replay  # noqa: E402
+from kvroute.bench.replay_report import ms, summary_table  # noqa: E402
+from kvroute.bench.replay_results import ratios, row_dict, summarize  # noqa: E402
+from kvroute.bench.replay_server import ReplayServer  # noqa: E402
+from kvroute.bench.replay_sources import workload_item  # noqa: E402
+from kvroute.bench.workloads import (RepositoryAssistantConfig, estimate_prefix_tokens,  # noqa: E402
                                      generate_workload, load_tokenizer, prompt_tokens, repository_prefixes,
                                      tokenizer_counter)
 from kvroute.netutil import free_port  # noqa: E402
@@ -86,7 +89,6 @@ from kvroute.worker.dtype import resolve_here  # noqa: E402
 console = Console(width=170)  # the table is wide; also when the output goes to a file
 
 ALL_POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_affinity", "block_cost")
-POLICY_HEADER = "X-KVRoute-Policy"
 MODEL = "SmolLM2-135M-Instruct"
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K,V, times the dtype's bytes.
 KV_ELEMENTS_PER_TOKEN = 30 * 3 * 64 * 2
@@ -94,9 +96,6 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 PREFILL_WORKERS, DECODE_WORKERS = 2, 1
 MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 900
-RESET_IDLE_TIMEOUT_S = 120
-RESET_ATTEMPTS = 5
-REQUEST_TIMEOUT_S = 180
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", default=",".join(ALL_POLICIES),
                         help="comma-separated policies, run in this order (default: all five)")
     parser.add_argument("--requests", type=int, default=120, help="requests per policy (default: %(default)s)")
+    parser.add_argument("--warm-requests", type=int, default=0,
+                        help="leading requests of each policy's replay that are sent but left out of its "
+                             "statistics, so they describe warm caches rather than each repository's first, "
+                             "compulsory miss (default: %(default)s)")
     parser.add_argument("--rate", type=float, default=0.9, help="Poisson arrival rate, requests/s (default: %(default)s)")
     parser.add_argument("--repositories", type=int, default=12, help="repositories (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
@@ -184,62 +187,6 @@ class Cluster:
             return self.process.wait(10)
 
 
-TINY_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2,
-             "temperature": 0, "ignore_eos": True}
-
-
-def wait_idle(cluster: Cluster, timeout: float) -> bool:
-    """Until no worker runs or queues a request (stragglers of the previous policy)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        workers = cluster.workers()
-        if all(w["in_flight"] == 0 and w["load"]["num_running"] == 0 and w["load"]["num_waiting"] == 0
-               for w in workers):
-            return True
-        time.sleep(1)
-    console.print(f"[yellow]  workers still busy {timeout:.0f} s after the last request: "
-                  f"{[(w['worker_id'], w['in_flight'], w['load']['num_running']) for w in cluster.workers()]}[/]")
-    return False
-
-
-def reset_cache(cluster: Cluster, timeout: float = 30) -> dict:
-    """Empty every worker's prefix cache, then wait until the index is empty too.
-
-    An idle vLLM engine publishes the ``AllBlocksCleared`` event of a reset only at its next
-    step, so until then the worker's snapshot, and the index reloaded from it, still list
-    the old blocks. Two tiny round-robin requests (shorter than a block: they store
-    nothing) make every engine step. Returns the reset reply plus the index blocks left.
-    """
-    body: dict = {"idle_before_reset": wait_idle(cluster, RESET_IDLE_TIMEOUT_S)}
-    for attempt in range(1, RESET_ATTEMPTS + 1):
-        reply = httpx.post(cluster.url + "/admin/reset-cache", timeout=60)
-        try:
-            body = {**body, **reply.json(), "attempts": attempt}
-        except ValueError:
-            body = {**body, "reset": False, "workers": reply.text[:300], "attempts": attempt}
-        if reply.status_code == 200 and body.get("reset"):
-            break
-        console.print(f"[yellow]  reset-cache attempt {attempt} failed: {reply.status_code} {body.get('workers')}[/]")
-        time.sleep(5)
-    else:  # measure anyway, but say so: this policy does not start cold
-        console.print("[red]  reset-cache kept failing; this policy starts with whatever the caches hold[/]")
-    body["index_blocks_after_reset"] = {w["worker_id"]: w["index_blocks"] for w in cluster.workers()}
-    for _ in range(PREFILL_WORKERS):
-        httpx.post(cluster.url + "/v1/chat/completions", json=TINY_BODY, headers={POLICY_HEADER: "round_robin"},
-                   timeout=REQUEST_TIMEOUT_S).raise_for_status()
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = cluster.workers()
-        left = {w["worker_id"]: w["index_blocks"] for w in workers}
-        if all(w["index_blocks"] == 0 and w["in_flight"] == 0 for w in workers) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    body["index_blocks_at_start"] = left
-    if any(left.values()):
-        console.print(f"[yellow]  the index still lists blocks {timeout:.0f} s after reset-cache: {left}[/]")
-    return body
-
-
 # ---------------------------------------------------------------- other people's load
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -302,286 +249,6 @@ def wait_for_quiet(budget: float, threshold: float = 0.3, window: float = 5.0) -
     return time.monotonic() - started
 
 
-# ---------------------------------------------------------------- one request
-
-
-@dataclass
-class Row:
-    policy: str
-    index: int
-    repository: int
-    scheduled_s: float
-    sent_s: float = math.nan  # since the run's start
-    status: int = 0
-    error: str | None = None
-    response_id: str | None = None
-    ttft_s: float | None = None
-    second_token_s: float | None = None  # first → second content chunk
-    itl_s: float | None = None  # (last − first content chunk) / (completion tokens − 1)
-    e2e_s: float | None = None
-    content_chunks: int = 0
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    # from the decision record
-    decision_policy: str | None = None
-    plan_kind: str | None = None
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    prefilling_worker: str | None = None  # the prefill worker (DISAGG) or the decode worker (LOCAL)
-    predicted_reused_tokens: int | None = None
-    actual_reused_tokens: int | None = None
-    estimated_ttft_s: float | None = None
-    estimated_gap_s: float | None = None
-    server_ttft_s: float | None = None
-    server_second_token_s: float | None = None
-    server_e2e_s: float | None = None
-    reason: str | None = None
-    chunk_times: list[float] = field(default_factory=list, repr=False)
-
-
-def request_body(request: WorkloadRequest) -> dict:
-    return {"model": MODEL, "messages": request.messages, "max_tokens": request.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-
-
-async def send(client: httpx.AsyncClient, url: str, policy: str, request: WorkloadRequest, start: float) -> Row:
-    row = Row(policy, request.index, request.repository, request.arrival_seconds)
-    loop = asyncio.get_running_loop()
-    sent = loop.time()
-    row.sent_s = sent - start
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=request_body(request),
-                                 headers={POLICY_HEADER: policy}) as response:
-            row.status = response.status_code
-            if response.status_code != 200:
-                row.error = (await response.aread()).decode(errors="replace")[:500]
-                return row
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = loop.time()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    row.error = json.dumps(chunk["error"])[:500]
-                    continue
-                row.response_id = row.response_id or chunk.get("id")
-                for choice in chunk.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        row.chunk_times.append(now - sent)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    row.prompt_tokens = usage["prompt_tokens"]
-                    row.completion_tokens = usage["completion_tokens"]
-                    row.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        row.e2e_s = loop.time() - sent
-    except (httpx.HTTPError, json.JSONDecodeError) as error:
-        row.error = f"{type(error).__name__}: {error}"
-    times = row.chunk_times
-    row.content_chunks = len(times)
-    if times:
-        row.ttft_s = times[0]
-    if len(times) >= 2:
-        row.second_token_s = times[1] - times[0]
-        if row.completion_tokens and row.completion_tokens > 1:
-            row.itl_s = (times[-1] - times[0]) / (row.completion_tokens - 1)
-    return row
-
-
-async def attach_decision(client: httpx.AsyncClient, url: str, row: Row) -> None:
-    if not row.response_id:
-        return
-    try:
-        reply = await client.get(f"{url}/v1/decisions/{row.response_id}")
-        if reply.status_code != 200:
-            return
-        record = reply.json()["data"][0]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        return
-    chosen = record.get("chosen") or {}
-    actual = record.get("actual") or {}
-    row.decision_policy = record.get("policy")
-    row.plan_kind = chosen.get("kind")
-    row.prefill_worker = chosen.get("prefill_worker")
-    row.decode_worker = chosen.get("decode_worker")
-    row.prefilling_worker = row.prefill_worker or row.decode_worker
-    row.predicted_reused_tokens = record.get("predicted_reused_tokens")
-    row.actual_reused_tokens = actual.get("reused_tokens")
-    row.estimated_ttft_s = (chosen.get("estimate") or {}).get("ttft")
-    row.estimated_gap_s = (chosen.get("estimate") or {}).get("gap")
-    row.server_ttft_s = actual.get("ttft")
-    row.server_second_token_s = actual.get("second_token_gap")
-    row.server_e2e_s = actual.get("e2e")
-    row.reason = record.get("reason")
-
-
-async def replay(url: str, policy: str, workload: list[WorkloadRequest]) -> tuple[list[Row], float]:
-    """Open loop: request i is sent at its arrival time, whatever the earlier ones are doing."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        loop = asyncio.get_running_loop()
-        start = loop.time() + 0.5
-        tasks, done = [], 0
-
-        def progress(_task) -> None:
-            nonlocal done
-            done += 1
-            if done % 25 == 0 or done == len(workload):
-                console.print(f"  {policy}: {done}/{len(workload)} done at {loop.time() - start:.0f} s", highlight=False)
-
-        for request in workload:
-            delay = start + request.arrival_seconds - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(send(client, url, policy, request, start))
-            task.add_done_callback(progress)
-            tasks.append(task)
-        rows = list(await asyncio.gather(*tasks))
-        duration = loop.time() - start
-        semaphore = asyncio.Semaphore(16)
-
-        async def attach(row: Row) -> None:
-            async with semaphore:
-                await attach_decision(client, url, row)
-
-        await asyncio.gather(*(attach(row) for row in rows))
-    return rows, duration
-
-
-# ---------------------------------------------------------------- summaries
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def summarize(policy: str, rows: list[Row], duration: float, labels: dict[str, str], foreign_cores: float,
-              waited: float) -> dict:
-    ok = [r for r in rows if r.error is None and r.ttft_s is not None]
-    metric = lambda name: [getattr(r, name) for r in ok if getattr(r, name) is not None]  # noqa: E731
-    prompt = sum(r.prompt_tokens or 0 for r in ok)
-    cached = sum(r.cached_tokens or 0 for r in ok)
-    predicted = [r for r in ok if r.predicted_reused_tokens is not None and r.actual_reused_tokens is not None]
-    summary = {
-        "policy": policy, "foreign_cpu_cores": foreign_cores, "waited_for_quiet_s": waited, "requests": len(rows), "succeeded": len(ok), "errors": len(rows) - len(ok),
-        "duration_s": duration, "throughput_rps": len(ok) / duration if duration > 0 else None,
-        "hit_rate": cached / prompt if prompt else None, "prompt_tokens": prompt, "cached_tokens": cached,
-        "max_send_lateness_s": max((r.sent_s - r.scheduled_s for r in rows), default=None),
-        "wrong_policy_records": sum(r.decision_policy not in (None, policy) for r in rows),
-        "missing_decision_records": sum(r.plan_kind is None for r in ok),
-        "plan_kinds": dict(Counter(r.plan_kind for r in ok if r.plan_kind)),
-        "prefilling_worker_counts": dict(Counter(labels.get(r.prefilling_worker, r.prefilling_worker)
-                                                 for r in ok if r.prefilling_worker)),
-        "decode_worker_counts": dict(Counter(labels.get(r.decode_worker, r.decode_worker)
-                                             for r in ok if r.decode_worker)),
-        # every request that got a plan, failed ones too: where the policy put the load
-        "placed_prefilling_worker_counts": dict(Counter(labels.get(r.prefilling_worker, r.prefilling_worker)
-                                                        for r in rows if r.prefilling_worker)),
-        "predicted_reused_tokens": sum(r.predicted_reused_tokens for r in predicted),
-        "actual_reused_tokens": sum(r.actual_reused_tokens for r in predicted),
-        "overpredicted_requests": sum(r.actual_reused_tokens + 128 <= r.predicted_reused_tokens for r in predicted),
-        "underpredicted_requests": sum(r.actual_reused_tokens >= r.predicted_reused_tokens + 128 for r in predicted),
-        # a hand-off this slow is a failed pull (recomputed on the decode worker) or a starved process
-        "slow_handoffs_over_5s": sum((r.second_token_s or 0) > 5 for r in ok),
-    }
-    for name, key in (("ttft", "ttft_s"), ("second_token", "second_token_s"), ("itl", "itl_s"), ("e2e", "e2e_s"),
-                      ("server_ttft", "server_ttft_s"), ("server_second_token", "server_second_token_s")):
-        values = metric(key)
-        summary[f"{name}_p50_s"] = percentile(values, 50)
-        summary[f"{name}_p99_s"] = percentile(values, 99)
-        summary[f"{name}_mean_s"] = float(np.mean(values)) if values else None
-    return summary
-
-
-def ratios(summaries: dict[str, dict]) -> dict:
-    out: dict = {}
-    ca, rr = summaries.get("cache_aware"), summaries.get("round_robin")
-    if ca and rr and ca["ttft_p50_s"] and rr["ttft_p50_s"]:
-        out["cache_aware_over_round_robin_p50_ttft"] = ca["ttft_p50_s"] / rr["ttft_p50_s"]
-    baselines = {name: s for name, s in summaries.items() if name != "cache_aware" and s["ttft_p99_s"]}
-    if ca and ca["ttft_p99_s"] and baselines:
-        best = min(baselines, key=lambda name: baselines[name]["ttft_p99_s"])
-        out["best_baseline_p99_ttft"] = best
-        out["cache_aware_over_best_baseline_p99_ttft"] = ca["ttft_p99_s"] / baselines[best]["ttft_p99_s"]
-    return out
-
-
-def ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
-def print_table(summaries: dict[str, dict], labels: list[str]) -> None:
-    table = Table(title="Placement policies, repository-assistant workload (times in ms)")
-    for column in ("policy", "ok/err", "hit rate", "TTFT p50", "TTFT p99", "2nd p50", "2nd p99", "ITL mean",
-                   "E2E p50", "E2E p99", "LOCAL", "prefills " + "/".join(labels)):
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for name, s in summaries.items():
-        counts = s["prefilling_worker_counts"]
-        table.add_row(
-            name, f"{s['succeeded']}/{s['errors']}", "-" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}",
-            ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["second_token_p50_s"]), ms(s["second_token_p99_s"]),
-            ms(s["itl_mean_s"]), ms(s["e2e_p50_s"]), ms(s["e2e_p99_s"]), str(s["plan_kinds"].get("local", 0)),
-            "/".join(str(counts.get(label, 0)) for label in labels))
-    console.print(table)
-
-
-# ---------------------------------------------------------------- plots
-
-
-def plot(output: Path, rows_by_policy: dict[str, list[Row]], summaries: dict[str, dict], labels: list[str]) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for policy, rows in rows_by_policy.items():
-        values = np.sort([r.ttft_s for r in rows if r.error is None and r.ttft_s is not None])
-        if len(values):
-            axis.step(values * 1000, np.arange(1, len(values) + 1) / len(values), where="post", label=policy)
-    axis.set_xscale("log")
-    axis.set_xlabel("TTFT (ms, log scale)")
-    axis.set_ylabel("fraction of requests")
-    axis.set_title("TTFT CDF per policy")
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(output / "ttft_cdf.png", dpi=120)
-    plt.close(figure)
-    written.append("ttft_cdf.png")
-
-    names = list(summaries)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    rates = [100 * (summaries[n]["hit_rate"] or 0) for n in names]
-    bars = axis.bar(names, rates, color="tab:blue")
-    axis.bar_label(bars, fmt="%.0f%%")
-    axis.set_ylabel("cached / prompt tokens (%)")
-    axis.set_ylim(0, 100)
-    axis.set_title("Prefix-cache hit rate per policy")
-    figure.tight_layout()
-    figure.savefig(output / "hit_rate.png", dpi=120)
-    plt.close(figure)
-    written.append("hit_rate.png")
-
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / max(len(labels), 1)
-    positions = np.arange(len(names))
-    for k, label in enumerate(labels):
-        counts = [summaries[n].get("placed_prefilling_worker_counts", summaries[n]["prefilling_worker_counts"])
-                  .get(label, 0) for n in names]
-        axis.bar(positions + (k - (len(labels) - 1) / 2) * width, counts, width, label=label)
-    axis.set_xticks(positions, names)
-    axis.set_ylabel("requests placed")
-    axis.set_title("Per-worker load: the worker each policy chose to prefill (all placed requests)")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(output / "worker_load.png", dpi=120)
-    plt.close(figure)
-    written.append("worker_load.png")
-    return written
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -628,6 +295,31 @@ def warm_up(cluster: Cluster, config: RepositoryAssistantConfig, count) -> None:
                    timeout=REQUEST_TIMEOUT_S).raise_for_status()
 
 
+def progress_printer(policy: str, total: int):
+    """A line every 25 finished requests and at the last."""
+    started, done = time.monotonic(), 0
+
+    def finished(_row: Row) -> None:
+        nonlocal done
+        done += 1
+        if done % 25 == 0 or done == total:
+            console.print(f"  {policy}: {done}/{total} done at {time.monotonic() - started:.0f} s", highlight=False)
+
+    return finished
+
+
+def request_row(row: Row) -> dict:
+    """A row as this script has always written it: the workload's group is its repository."""
+    return {("repository" if k == "group" else k): v for k, v in row_dict(row).items()}
+
+
+def plot(output: Path, rows_by_policy: dict[str, list[Row]], summaries: dict[str, dict], labels: list[str]) -> list[str]:
+    replay_plots.ttft_cdf(rows_by_policy, output / "ttft_cdf.png")
+    replay_plots.hit_rate_bars(summaries, output / "hit_rate.png")
+    replay_plots.placement_bars(summaries, labels, output / "worker_load.png")
+    return ["ttft_cdf.png", "hit_rate.png", "worker_load.png"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output: Path = args.output
@@ -656,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or free_port()
     cluster = Cluster(port, kv_cache_gib, dtype, output / "serve.log")
     console.print(f"cluster: {' '.join(cluster.args[1:])}", highlight=False)
-    rows_by_policy: dict[str, list[Row]] = {}
+    rows_by_policy: dict[str, list[Row]] = {}  # the counted ones (see --warm-requests)
+    all_rows: dict[str, list[Row]] = {}
     summaries: dict[str, dict] = {}
     names: dict[str, str] = {}
     started = time.monotonic()
@@ -669,20 +362,25 @@ def main(argv: list[str] | None = None) -> int:
         names = worker_labels(workers, output / "workers")
         console.print("workers: " + ", ".join(f"{label} = {wid}" for wid, label in names.items()), highlight=False)
         warm_up(cluster, config, count)
+        server, target = ReplayServer(cluster.url), ReplayTarget(cluster.url, MODEL)
+        items = [workload_item(request) for request in workload]
+        warn = lambda message: console.print(f"[yellow]  {message}[/]", highlight=False)  # noqa: E731
         for policy in args.policies:
-            reset = reset_cache(cluster)
+            reset = server.reset_cache(MODEL, warn)
             quiet = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else 0.0
             waited += quiet
             time.sleep(1.0)
             console.print(f"[bold]{policy}[/]: replaying {len(workload)} requests", highlight=False)
             load = ForeignLoad()
-            rows, duration = asyncio.run(replay(cluster.url, policy, workload))
-            rows_by_policy[policy] = rows
-            summaries[policy] = s = summarize(policy, rows, duration, names, load.cores(), quiet)
+            rows, duration = asyncio.run(replay(target, policy, items, progress_printer(policy, len(items))))
+            all_rows[policy] = rows
+            rows = rows_by_policy[policy] = [row for row in rows if row.index >= args.warm_requests]
+            summaries[policy] = s = {"policy": policy, "foreign_cpu_cores": load.cores(), "waited_for_quiet_s": quiet,
+                                     **summarize(policy, rows, duration, names)}
             s["reset_ok"], s["reset_attempts"] = bool(reset.get("reset")), reset.get("attempts")
-            s["index_blocks_at_start"] = {names.get(k, k): v for k, v in reset["index_blocks_at_start"].items()}
+            s["index_blocks_at_start"] = {names.get(k, k): v for k, v in reset.get("index_blocks_at_start", {}).items()}
             s["index_blocks_right_after_reset"] = {names.get(k, k): v
-                                                   for k, v in reset["index_blocks_after_reset"].items()}
+                                                   for k, v in reset.get("index_blocks_after_reset", {}).items()}
             console.print(f"  hit rate {s['hit_rate'] or 0:.1%}, TTFT p50 {ms(s['ttft_p50_s'])} ms "
                           f"p99 {ms(s['ttft_p99_s'])} ms, errors {s['errors']}, slow hand-offs "
                           f"{s['slow_handoffs_over_5s']}, other processes {s['foreign_cpu_cores']:.2f} cores",
@@ -711,13 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         "workers": names,
         "summaries": summaries,
         "ratios": ratios(summaries),
-        "requests": [{k: v for k, v in asdict(row).items() if k != "chunk_times"} | {"chunk_times_s": row.chunk_times}
-                     for rows in rows_by_policy.values() for row in rows],
+        "requests": [{**request_row(row), "counted": row.index >= args.warm_requests}
+                     for rows in all_rows.values() for row in rows],
     }
     (output / "results.json").write_text(json.dumps(result, indent=1))
     labels = list(names.values())
     if summaries:
-        print_table(summaries, labels)
+        console.print(summary_table(summaries, labels, "Placement policies, repository-assistant workload"))
     plots = plot(output, rows_by_policy, summaries, labels) if summaries else []
     for name, value in result["ratios"].items():
         console.print(f"{name}: {value if isinstance(value, str) else f'{value:.3f}'}", highlight=False)

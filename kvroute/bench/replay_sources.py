@@ -1,0 +1,69 @@
+"""What a replay sends: named workload generators and Mooncake traces turned into ``ReplayItem``s.
+
+A workload's requests are chat messages and go to ``/v1/chat/completions``; a trace's are
+token ids and go to ``/v1/completions`` as they are, because a chat template around them
+would shift every block boundary and with it what the trace says is shared.
+
+Workload lengths are estimated without a tokenizer (``workloads.approx_tokens``, within
+~10% of SmolLM2's), so a replay needs nothing of the model on the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvroute.bench.replay import ReplayItem
+from kvroute.bench.trace import ScaledTrace, TraceRequest, TraceScaling, load_trace
+from kvroute.bench.workloads import RepositoryAssistantConfig, WorkloadRequest, generate_workload
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class WorkloadChoice:
+    """How a replay overrides a generator's defaults; None keeps the generator's own."""
+
+    requests: int | None = None
+    rate: float | None = None
+    seed: int = 0
+
+
+def _repository_assistant(choice: WorkloadChoice) -> list[WorkloadRequest]:
+    overrides = {"requests": choice.requests, "rate": choice.rate, "seed": choice.seed}
+    config = dataclasses.replace(RepositoryAssistantConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    return generate_workload(config)
+
+
+# name → generator; ``kvroute bench replay --workload`` offers exactly these.
+WORKLOADS: dict[str, Callable[[WorkloadChoice], list[WorkloadRequest]]] = {
+    "repository-assistant": _repository_assistant,
+}
+
+
+def workload_item(request: WorkloadRequest) -> ReplayItem:
+    body = {"messages": request.messages, "max_tokens": request.max_tokens}
+    return ReplayItem(request.index, request.arrival_seconds, CHAT_ENDPOINT, lambda: body, request.repository)
+
+
+def workload_items(name: str, choice: WorkloadChoice) -> list[ReplayItem]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return [workload_item(request) for request in WORKLOADS[name](choice)]
+
+
+def trace_item(request: TraceRequest) -> ReplayItem:
+    def payload() -> dict:
+        return {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens}
+
+    # The first hash id names the first block: requests that share it share a prefix.
+    return ReplayItem(request.index, request.arrival_seconds, COMPLETIONS_ENDPOINT, payload, request.hash_ids[0])
+
+
+def trace_items(path: str | Path, scaling: TraceScaling, limit: int | None = None) -> tuple[list[ReplayItem], ScaledTrace]:
+    """The trace's first ``limit`` records, scaled; the ``ScaledTrace`` says how many were dropped."""
+    scaled = load_trace(path, scaling, limit)
+    return [trace_item(request) for request in scaled.requests], scaled
