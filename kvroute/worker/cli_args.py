@@ -38,6 +38,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "them at once; 0 holds them in the engine (default: %(default)s)")
     parser.add_argument("--pull-timeout-seconds", type=float, default=defaults.pull_timeout_seconds,
                         help="consumer: recompute when a pull takes longer (default: %(default)s)")
+    parser.add_argument("--long-prefill-tokens", type=int, default=None,
+                        help="most prompt tokens one request computes per engine step while others wait; "
+                             "0: no cap (default: 256 on decode workers, so a local prefill cannot hold "
+                             "arriving KV pulls and running streams for seconds; no cap on prefill workers)")
     parser.add_argument("--omp-threads-bind", default=None,
                         help="CPU cores for the engine's OpenMP threads, e.g. '0' or '0-3' (CPU builds)")
     parser.add_argument("--transfer-cpus", default="",
@@ -60,7 +64,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
         lease_staging_gib=args.lease_staging_gib,
         pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind,
-        transfer_cpus=args.transfer_cpus)
+        transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from kvroute.netutil import free_port, tcp
 from transfer.affinity import parse_cpus
 
 ROLES = ("prefill", "decode")
+DECODE_LONG_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class WorkerSettings:
     pull_timeout_seconds: float = 10.0
     enforce_eager: bool = True
     seed: int = 0
+    # Most prompt tokens one request may compute per engine step while others wait; None:
+    # the role's default (see ``long_prefill_step_tokens``), 0: no cap.
+    long_prefill_tokens: int | None = None
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -42,9 +46,21 @@ class WorkerSettings:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must not be negative")
         if self.lease_staging_gib < 0:
             raise ValueError("lease_staging_gib must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
+
+    @property
+    def long_prefill_step_tokens(self) -> int:
+        """A decode worker caps one prompt's share of a step: a recompute or LOCAL prefill
+        that took whole steps would hold every arriving request's KV pull (which starts
+        only between steps) and every running stream's next token for seconds on CPU, and
+        held pulls let producers' leases expire. Alone, a prompt still gets the full budget."""
+        if self.long_prefill_tokens is not None:
+            return self.long_prefill_tokens
+        return DECODE_LONG_PREFILL_TOKENS if self.role == "decode" else 0
 
     def with_ports(self) -> "WorkerSettings":
         """Concrete ports for every endpoint left at 0, and a worker id if missing."""

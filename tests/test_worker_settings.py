@@ -1,0 +1,38 @@
+"""Worker settings that shape the engine: per-role defaults and what reaches vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.worker.cli_args import add_worker_arguments, settings_from_args
+from kvroute.worker.engine import engine_args
+from kvroute.worker.settings import DECODE_LONG_PREFILL_TOKENS, WorkerSettings
+
+
+@pytest.mark.parametrize("role, explicit, expected", [
+    ("decode", None, DECODE_LONG_PREFILL_TOKENS),  # a local prefill must not hold pulls and streams
+    ("prefill", None, 0),  # prefill workers keep whole-prompt steps
+    ("decode", 0, 0),
+    ("prefill", 512, 512),
+])
+def test_long_prefill_cap_by_role_reaches_the_engine(role, explicit, expected):
+    settings = WorkerSettings(role=role, model="/models/m", long_prefill_tokens=explicit)
+    assert settings.long_prefill_step_tokens == expected
+    assert engine_args(settings).long_prefill_token_threshold == expected
+
+
+def test_negative_long_prefill_cap_is_refused():
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        WorkerSettings(role="decode", model="/models/m", long_prefill_tokens=-1)
+
+
+def test_long_prefill_flag(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
+    args = parser.parse_args(["--model", "/models/m", "--long-prefill-tokens", "128"])
+    assert settings_from_args(args, "decode").long_prefill_tokens == 128
+    assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").long_prefill_tokens is None
