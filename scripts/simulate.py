@@ -10,7 +10,8 @@ policy's reused tokens are shown as a share of the all-workers LRU bound.
 
 Inputs: ``--trace FILE`` (Mooncake JSONL, default the synthetic trace in shared/data),
 scaled by ``--block-tokens`` (64) and ``--time-scale`` (1.0), first ``--limit`` records;
-or ``--workload repository-assistant`` (seeded, ``--requests``, ``--rate``). Cost curves:
+or ``--workload NAME``, a seeded generator of ``kvroute.bench.workloads`` (``--requests``,
+``--rate``, and ``--workload-options KEY=VALUE,...`` for any field of its config). Cost curves:
 ``--calibration FILE`` (JSON of ``SimCalibration`` fields), else the documented defaults.
 
 Output: ``DIR/results.json`` (settings, oracle, per-policy summaries and, unless
@@ -19,7 +20,7 @@ Output: ``DIR/results.json`` (settings, oracle, per-policy summaries and, unless
 Usage::
 
     .venv/bin/python scripts/simulate.py [--prefill 4] [--decode 4] [--policies a,b] [--output DIR]
-        [--trace FILE | --workload repository-assistant] [--kv-blocks N] [--seed S]
+        [--trace FILE | --workload NAME [--workload-options K=V,...]] [--kv-blocks N] [--seed S]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from rich.table import Table  # noqa: E402
 from kvroute import identity  # noqa: E402
 from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds  # noqa: E402
 from kvroute.bench.trace import ScaledTrace, TraceScaling, load_trace  # noqa: E402
-from kvroute.bench.workloads import RepositoryAssistantConfig, generate_workload  # noqa: E402
+from kvroute.bench.workloads import GENERATORS, generate_named, parse_options  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulator import EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.requests import replay_requests  # noqa: E402
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, default=None, help=f"Mooncake JSONL (default: {DEFAULT_TRACE})")
-    source.add_argument("--workload", choices=["repository-assistant"])
+    source.add_argument("--workload", choices=list(GENERATORS), help="a seeded workload generator")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all)")
     parser.add_argument("--prefill", type=int, default=4, help="prefill workers (default: %(default)s)")
     parser.add_argument("--decode", type=int, default=4, help="decode workers (default: %(default)s)")
@@ -63,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
-    parser.add_argument("--requests", type=int, default=RepositoryAssistantConfig().requests)
-    parser.add_argument("--rate", type=float, default=RepositoryAssistantConfig().rate)
+    parser.add_argument("--requests", type=int, help="workload: requests (default: the generator's)")
+    parser.add_argument("--rate", type=float, help="workload: requests/s (default: the generator's)")
+    parser.add_argument("--workload-options", default="", help="workload: KEY=VALUE,... overrides of its config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "simulate")
     parser.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_requests(args: argparse.Namespace):
     if args.workload:
-        return generate_workload(RepositoryAssistantConfig(requests=args.requests, rate=args.rate, seed=args.seed))
+        options = parse_options([option for option in args.workload_options.split(",") if option])
+        return generate_named(args.workload, options, requests=args.requests, rate=args.rate, seed=args.seed)
     scaling = TraceScaling(block_tokens=args.block_tokens, time_scale=args.time_scale)
     return load_trace(args.trace or DEFAULT_TRACE, scaling, args.limit)
 

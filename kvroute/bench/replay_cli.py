@@ -32,6 +32,7 @@ from kvroute.bench.replay_results import ratios, row_dict, summarize
 from kvroute.bench.replay_server import ReplayError, ReplayServer
 from kvroute.bench.replay_sources import WORKLOADS, WorkloadChoice, trace_items, workload_items
 from kvroute.bench.trace import TraceFormatError, TraceScaling
+from kvroute.bench.workloads import parse_options, workload_config
 from kvroute.config import setting
 
 
@@ -47,6 +48,8 @@ class ReplaySettings:
     requests: int | None = setting(None, "requests per policy (workload: default the generator's; trace: "
                                          "the first N records, default all)")
     rate: float | None = setting(None, "workload arrival rate in requests/s (default: the generator's)")
+    workload_options: tuple[str, ...] = setting((), "comma-separated KEY=VALUE overrides of the workload "
+                                                    "generator's config, e.g. groups=8,prompts_per_group=4")
     time_scale: float = setting(1.0, "trace: arrival seconds = timestamp / 1000 x this (2: half the rate)")
     seed: int = setting(0, "seed of the workload, or of the trace's token content")
     api_key: str = setting("", "API key sent as a Bearer token, for servers with keys")
@@ -64,6 +67,10 @@ class ReplaySettings:
             raise ValueError("--policies needs at least one policy")
         if self.requests is not None and self.requests < 1:
             raise ValueError("--requests must be at least 1")
+        if self.workload_options and not self.workload:
+            raise ValueError("--workload-options needs --workload")
+        if self.workload:
+            workload_config(self.workload, parse_options(self.workload_options))  # a bad option fails here, not mid-run
 
 
 def add_cli(bench_commands) -> None:
@@ -92,7 +99,7 @@ def run(settings: ReplaySettings) -> int:
 def load_items(settings: ReplaySettings) -> tuple[list[ReplayItem], dict]:
     """The requests to replay, and a description of where they came from for results.json."""
     if settings.workload:
-        choice = WorkloadChoice(settings.requests, settings.rate, settings.seed)
+        choice = WorkloadChoice(settings.requests, settings.rate, settings.seed, settings.workload_options)
         return workload_items(settings.workload, choice), {"workload": settings.workload, **asdict(choice)}
     scaling = TraceScaling(time_scale=settings.time_scale, seed=settings.seed)
     try:

@@ -5,19 +5,21 @@ token ids and go to ``/v1/completions`` as they are, because a chat template aro
 would shift every block boundary and with it what the trace says is shared.
 
 Workload lengths are estimated without a tokenizer (``workloads.approx_tokens``, within
-~10% of SmolLM2's), so a replay needs nothing of the model on the client.
+~10% of SmolLM2's), so a replay needs nothing of the model on the client. Every request
+goes with the replay's one API key: a workload request's ``tenant`` (rag) is carried in
+the generator's output but not sent as a distinct key.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from kvroute.bench.replay import ReplayItem
 from kvroute.bench.trace import ScaledTrace, TraceRequest, TraceScaling, load_trace
-from kvroute.bench.workloads import RepositoryAssistantConfig, WorkloadRequest, generate_workload
+from kvroute.bench.workloads import GENERATORS, WorkloadRequest, generate_named, parse_options
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -25,28 +27,33 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 
 @dataclass(frozen=True)
 class WorkloadChoice:
-    """How a replay overrides a generator's defaults; None keeps the generator's own."""
+    """How a replay overrides a generator's defaults; None keeps the generator's own.
+
+    ``options`` are ``KEY=VALUE`` overrides of the generator's config fields
+    (``workloads.registry``); ``requests`` and ``rate`` apply where the config has them,
+    and ``requests`` otherwise keeps the first N requests.
+    """
 
     requests: int | None = None
     rate: float | None = None
     seed: int = 0
+    options: tuple[str, ...] = ()
 
 
-def _repository_assistant(choice: WorkloadChoice) -> list[WorkloadRequest]:
-    overrides = {"requests": choice.requests, "rate": choice.rate, "seed": choice.seed}
-    config = dataclasses.replace(RepositoryAssistantConfig(), **{k: v for k, v in overrides.items() if v is not None})
-    return generate_workload(config)
+def _generate(name: str, choice: WorkloadChoice) -> list[WorkloadRequest]:
+    return generate_named(name, parse_options(choice.options), requests=choice.requests, rate=choice.rate,
+                          seed=choice.seed)
 
 
 # name → generator; ``kvroute bench replay --workload`` offers exactly these.
 WORKLOADS: dict[str, Callable[[WorkloadChoice], list[WorkloadRequest]]] = {
-    "repository-assistant": _repository_assistant,
+    name: functools.partial(_generate, name) for name in GENERATORS
 }
 
 
 def workload_item(request: WorkloadRequest) -> ReplayItem:
     body = {"messages": request.messages, "max_tokens": request.max_tokens}
-    return ReplayItem(request.index, request.arrival_seconds, CHAT_ENDPOINT, lambda: body, request.repository)
+    return ReplayItem(request.index, request.arrival_seconds, CHAT_ENDPOINT, lambda: body, request.group)
 
 
 def workload_items(name: str, choice: WorkloadChoice) -> list[ReplayItem]:
