@@ -96,7 +96,7 @@ class PagedKVCache:
     def gather_layer(self, layer_index: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the given blocks of one layer, in order, into the contiguous ``out``."""
         layer, wire = self._views(layer_index, out, len(block_ids))
-        torch.index_select(layer, self.block_dim, block_ids, out=wire)
+        torch.index_select(layer, self.block_dim, _on_device(block_ids, layer), out=wire)
 
     def scatter_layer(self, layer_index: int, block_ids: torch.Tensor, data: torch.Tensor) -> None:
         """Write contiguous blocks (as produced by ``gather_layer``) into one layer."""
@@ -108,7 +108,7 @@ class PagedKVCache:
             rows[(slice(None),) * self.block_dim + (block_ids.numpy(),)] = self._wire_rows(data, len(block_ids)).numpy()
             return
         layer, wire = self._views(layer_index, data, len(block_ids))
-        layer.index_copy_(self.block_dim, block_ids, wire)
+        layer.index_copy_(self.block_dim, _on_device(block_ids, layer), wire)
 
     def _views(self, layer_index: int, wire: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer and a wire buffer of ``num_blocks`` blocks, viewed alike for copying.
@@ -141,7 +141,9 @@ class PagedKVCache:
         """Every layer's given blocks, in order, as new contiguous byte tensors (wire format)."""
         copies = []
         for layer in range(self.spec.num_layers):
-            out = torch.empty(len(block_ids) * self.layer_bytes_per_block, dtype=torch.uint8)
+            # On the cache's own device: an indexed copy cannot write across devices.
+            out = torch.empty(len(block_ids) * self.layer_bytes_per_block, dtype=torch.uint8,
+                              device=self.layers[layer].device)
             self.gather_layer(layer, block_ids, out)
             copies.append(out)
         return tuple(copies)
@@ -174,6 +176,13 @@ def widest_element(*byte_rows: torch.Tensor) -> torch.dtype:
         if all(t.shape[-1] % size == 0 and t.data_ptr() % size == 0 for t in byte_rows):
             return element
     return torch.uint8
+
+
+def _on_device(block_ids: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """The block ids where the layer lives: callers build them in host memory (see
+    ``block_index_tensor``), and CUDA's indexed copies want the index on the GPU.
+    A no-op for host caches."""
+    return block_ids.to(layer.device, non_blocking=True)
 
 
 def block_index_tensor(block_ids: Sequence[int]) -> torch.Tensor:
