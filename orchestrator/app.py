@@ -36,7 +36,8 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
-                  f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id)
+                  f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id,
+                  settings.breaker_settings(), settings.retry_policy())
     index, metrics, calibration = PrefixIndex(), Metrics(), Calibration()
     index_sync = IndexSync(index)
     fleet.listeners.append(index_sync)

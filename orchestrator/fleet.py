@@ -2,7 +2,9 @@
 
 Workers push heartbeats to a ROUTER socket; each is handed to ``WorkerRegistry`` and
 answered with a ``RegisterReply``. A ``WorkerClient`` exists for every live worker
-incarnation and is closed when the worker is marked down or restarts.
+incarnation and is closed when the worker is marked down or restarts. A circuit
+breaker per worker (``circuit_breaker``) keeps one that fails its requests out of
+planning until a probe request succeeds.
 """
 
 from __future__ import annotations
@@ -15,19 +17,25 @@ import zmq
 
 from kvroute import wire
 from kvroute.netutil import async_context
+from orchestrator.circuit_breaker import BreakerSettings, CircuitBreakers
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.registry import Verdict, WorkerRegistry, WorkerView
+from orchestrator.retry import RetryPolicy
 from orchestrator.worker_client import WorkerClient
 
 logger = logging.getLogger("kvroute.orchestrator.fleet")
 
 
 class Fleet:
-    """Owns the registry, the clients, the in-flight request counts per worker and the
-    ledger that reconciles heartbeats with this orchestrator's own dispatches."""
+    """Owns the registry, the clients, the in-flight request counts per worker, the
+    ledger that reconciles heartbeats with this orchestrator's own dispatches, and the
+    circuit breakers (which the completion service feeds with each request's outcome)."""
 
-    def __init__(self, registry: WorkerRegistry, bind_address: str, orchestrator_id: str):
+    def __init__(self, registry: WorkerRegistry, bind_address: str, orchestrator_id: str,
+                 breaker_settings: BreakerSettings = BreakerSettings(), retry: RetryPolicy = RetryPolicy()):
         self.registry = registry
+        self.breakers = CircuitBreakers(breaker_settings)
+        self._retry = retry
         self.orchestrator_id = orchestrator_id
         self._bind_address = bind_address
         self._clients: dict[str, WorkerClient] = {}
@@ -59,10 +67,13 @@ class Fleet:
     # ------------------------------------------------------------ queries
 
     def live(self, role: str) -> list[WorkerView]:
-        """Registered, heartbeating, and reachable: a worker whose RPC connection broke is
-        left out until it is back, so no request waits on a process that died."""
+        """Registered, heartbeating, reachable, and not failing: a worker whose RPC connection
+        broke is left out until it is back, so no request waits on a process that died, and
+        one whose circuit breaker is open until its cool-down let a probe succeed."""
+        now = time.monotonic()
         return [w for w in self.registry.live(role)
-                if (client := self._clients.get(w.worker_id)) is not None and not client.connection_lost]
+                if (client := self._clients.get(w.worker_id)) is not None and not client.connection_lost
+                and self.breakers.allows(w.worker_id, now)]
 
     def client(self, worker_id: str) -> WorkerClient | None:
         return self._clients.get(worker_id)
@@ -77,6 +88,8 @@ class Fleet:
         # Requests started before a worker was dropped and re-registered still finish
         # against it; never let them drive the count below zero.
         self._in_flight[worker_id] = max(0, self._in_flight.get(worker_id, 0) + delta)
+        if delta > 0:  # a half-open breaker lets this one through as its probe, and no other
+            self.breakers.dispatched(worker_id, time.monotonic())
 
     # ------------------------------------------------------------ the shell
 
@@ -107,7 +120,7 @@ class Fleet:
         if verdict.replaced is not None:
             await self._drop(verdict.replaced.worker_id)
         if verdict.is_new:
-            client = self._clients[beat.worker_id] = WorkerClient(beat.rpc_address)
+            client = self._clients[beat.worker_id] = WorkerClient(beat.rpc_address, retry=self._retry)
             view = self.registry.get(beat.worker_id)
             for listener in self.listeners:
                 listener.worker_up(view, client)
@@ -124,5 +137,6 @@ class Fleet:
         client = self._clients.pop(worker_id, None)
         self._in_flight.pop(worker_id, None)
         self.ledger.forget(worker_id)
+        self.breakers.forget(worker_id)
         if client is not None:
             await client.close()

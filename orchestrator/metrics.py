@@ -49,6 +49,7 @@ class Metrics:
                                       "blocks a worker's engine evicted from its prefix cache (from its KV events)",
                                       ["worker"], registry=r)
         self._evictions_exported: dict[str, int] = {}
+        self._breakers_exported: set[str] = set()
         self.transfer_bytes = Counter("kvroute_transfer_bytes", "KV bytes pulled, per link",
                                       ["source", "destination"], registry=r)
         self.transfer_seconds = Histogram("kvroute_transfer_seconds", "time of one KV pull, per link",
@@ -56,6 +57,9 @@ class Metrics:
         self.workers = Gauge("kvroute_workers", "live workers by role", ["role"], registry=r)
         self.worker_failures = Counter("kvroute_worker_failures", "placements ended by a worker error",
                                        ["role"], registry=r)
+        self.breaker_state = Gauge("kvroute_worker_breaker_state",
+                                   "circuit breaker per worker: 0 closed, 1 half-open (a probe may go), "
+                                   "2 open (out of rotation)", ["worker"], registry=r)
         self.migrations = Counter("kvroute_request_migrations",
                                   "requests moved to another worker after one failed", ["role"], registry=r)
 
@@ -81,6 +85,13 @@ class Metrics:
             for worker in workers:
                 self.index_blocks.labels(worker.worker_id).set(index.num_blocks(worker.worker_id))
                 self._export_evictions(worker.worker_id, index.num_evicted(worker.worker_id))
+        # From the breakers, not the live workers: an open breaker is what takes a worker out of them.
+        states = fleet.breakers.states(time.monotonic())
+        for worker_id, state in states.items():
+            self.breaker_state.labels(worker_id).set(state.value)
+        for gone in self._breakers_exported - states.keys():  # a worker marked down or restarted
+            self.breaker_state.remove(gone)
+        self._breakers_exported = set(states)
 
     def _export_evictions(self, worker_id: str, evicted: int) -> None:
         new = evicted - self._evictions_exported.get(worker_id, 0)

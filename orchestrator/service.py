@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvroute import identity, wire
+from orchestrator.circuit_breaker import counts_against_worker
 from orchestrator.decisions import DecisionLog, DecisionRecord
 from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_local
 from orchestrator.errors import APIError
@@ -199,24 +200,41 @@ class CompletionService:
         self._track(plan, +1)
         prefilling = plan.prefill_worker or plan.decode_worker
         self._reserve(plan, attempt, prefilling)
+        health: tuple[bool, _WorkerFailed | None] = (False, None)  # unchanged if the client leaves
         try:
             chunks = self._until_prefilled(self._tokens(plan, attempt, handoff), prefilling, attempt)
             async with aclosing(chunks) as tokens:
                 async for delta in self._detokenize(tokens, outcome, text):
                     yield delta
+            health = (True, None)
         except WorkerError as error:
             role = "decode" if handoff.first_token_at or plan.kind is PlanKind.LOCAL else "prefill"
             self.metrics.worker_failures.labels(role).inc()
             record.actual.error = str(error)
-            raise _WorkerFailed(role, plan.decode_worker if role == "decode" else plan.prefill_worker,
-                                error) from error
+            failure = _WorkerFailed(role, plan.decode_worker if role == "decode" else plan.prefill_worker, error)
+            health = (False, failure)
+            raise failure from error
         finally:
+            self._report_health(plan, *health)
             self.fleet.ledger.prefilled(prefilling, attempt.request_id)
             self.fleet.ledger.released(plan.decode_worker, attempt.request_id)
             self._track(plan, -1)
             if attempt is job:
                 outcome.cached_tokens = handoff.prefill_cached_tokens
             self._complete(attempt, plan, handoff, outcome, record, idle_at_start, client_facing=attempt is job)
+
+    def _report_health(self, plan: Plan, ok: bool, failure: _WorkerFailed | None) -> None:
+        """Feed the circuit breakers: a finished placement is a success for all its workers;
+        a failure counts against the failed worker only (and not when the request itself was
+        at fault); a placement that ended otherwise (the client left) says nothing."""
+        now = time.monotonic()
+        for worker_id in plan.workers:
+            if ok:
+                self.fleet.breakers.succeeded(worker_id, now)
+            elif failure is not None and worker_id == failure.worker_id and counts_against_worker(failure.error):
+                self.fleet.breakers.failed(worker_id, now)
+            else:
+                self.fleet.breakers.released(worker_id, now)
 
     def _tokens(self, plan: Plan, job: Job, handoff: HandoffRecord) -> AsyncIterator[wire.GenerateChunk]:
         decode = self._client(plan.decode_worker)

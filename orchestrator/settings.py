@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from kvroute.config import setting
 
+from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.planner.policies import POLICIES
 from orchestrator.planner.settings import PlannerSettings
+from orchestrator.retry import RetryPolicy
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,15 @@ class OrchestratorSettings:
                                                   "capacity before answering 429")
     max_attempts: int = setting(3, "placements per request: a worker failure moves the request (prompt plus "
                                    "the tokens already sent) to another worker this many times minus one")
+    breaker_failure_threshold: int = setting(5, "circuit breaker: this many consecutive failed requests (errors "
+                                                "or timeouts) take a worker out of rotation")
+    breaker_window_seconds: float = setting(30.0, "circuit breaker: failures older than this are forgotten")
+    breaker_cooldown_seconds: float = setting(10.0, "circuit breaker: after this long out of rotation one probe "
+                                                    "request goes to the worker; its success brings it back")
+    rpc_retry_attempts: int = setting(3, "attempts of the idempotent worker calls (stats, snapshot, cache reset; "
+                                         "never generate), with exponential backoff and jitter")
+    rpc_retry_base_seconds: float = setting(0.1, "backoff before the second attempt; doubling up to 2 s, "
+                                                 "minus up to half at random")
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
     api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
     log_level: str = setting("info", "log level: debug, info, warning, error")
@@ -44,6 +55,7 @@ class OrchestratorSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        self.breaker_settings(), self.retry_policy()  # their own checks, at start-up
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 
@@ -51,6 +63,14 @@ class OrchestratorSettings:
         return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, top_k=self.top_k,
                                max_in_flight=self.max_in_flight_per_worker,
                                max_queued_prefill_tokens=self.max_queued_prefill_tokens)
+
+    def breaker_settings(self) -> BreakerSettings:
+        return BreakerSettings(failure_threshold=self.breaker_failure_threshold,
+                               failure_window_seconds=self.breaker_window_seconds,
+                               cooldown_seconds=self.breaker_cooldown_seconds)
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(attempts=self.rpc_retry_attempts, base_delay_seconds=self.rpc_retry_base_seconds)
 
     @property
     def registry_address(self) -> str:

@@ -17,6 +17,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvroute import wire
 from kvroute.netutil import async_context
+from orchestrator.retry import RetryPolicy, with_retries
 
 logger = logging.getLogger("kvroute.orchestrator.client")
 
@@ -34,11 +35,22 @@ class WorkerTimeout(WorkerError):
         super().__init__("timeout", message)
 
 
-class WorkerClient:
-    """Owned by one event loop; ``_queues`` is written only by that loop."""
+# Not worth another attempt: the request was wrong, or this client was closed for good.
+FINAL_CODES = frozenset({"bad_request", "invalid_request", "duplicate", "worker_down"})
 
-    def __init__(self, address: str, context: zmq.asyncio.Context | None = None):
+
+def retryable(error: Exception) -> bool:
+    return isinstance(error, WorkerError) and error.code not in FINAL_CODES
+
+
+class WorkerClient:
+    """Owned by one event loop; ``_queues`` is written only by that loop. ``retry``: how
+    the idempotent calls (stats, snapshot, reset_cache) are retried; generate never is."""
+
+    def __init__(self, address: str, context: zmq.asyncio.Context | None = None,
+                 retry: RetryPolicy = RetryPolicy()):
         self.address = address
+        self.retry = retry
         self._context = context or async_context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -139,6 +151,11 @@ class WorkerClient:
         return await self._call(wire.ResetCacheRequest, wire.ResetCacheReply, timeout)
 
     async def _call(self, request_type, reply_type, timeout: float):
+        """An idempotent query: each attempt waits up to ``timeout``, then backs off and asks again."""
+        return await with_retries(lambda: self._call_once(request_type, reply_type, timeout), self.retry,
+                                  f"{request_type.__name__} to {self.address}", retryable)
+
+    async def _call_once(self, request_type, reply_type, timeout: float):
         """One request, one reply, correlated by a fresh request id."""
         request_id = f"{request_type.__name__}-{uuid.uuid4().hex}"
         queue = self._open(request_id)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kvroute.bench.stack import SyntheticStack
+from kvroute.bench.stack import running_synthetic_stack
 from kvroute.model_prep import resolve_model
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,15 +23,10 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = SyntheticStack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
-                           ["--policy", "least_loaded", "--heartbeat-timeout-seconds", "30"],
-                           token_seconds=0.05, roles=ROLES)
-    try:
-        stack.wait_healthy(300)
-        stack.wait_workers(len(ROLES), 120)
+    with running_synthetic_stack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
+                                 ["--policy", "least_loaded", "--heartbeat-timeout-seconds", "30"],
+                                 token_seconds=0.05, roles=ROLES) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -123,6 +125,19 @@ class SyntheticStack:
                 os.killpg(process.pid, signal.SIGKILL)
                 codes.append(process.wait(10))
         return codes[0]
+
+
+@contextmanager
+def running_synthetic_stack(model: str, log_path: Path, extra_args: list[str], token_seconds: float,
+                            roles: tuple[str, ...]) -> Iterator[SyntheticStack]:
+    """A ``SyntheticStack`` that is healthy with every worker registered; stopped on exit."""
+    stack = SyntheticStack(model, log_path, extra_args, token_seconds=token_seconds, roles=roles)
+    try:
+        stack.wait_healthy(300)
+        stack.wait_workers(len(roles), 120)
+        yield stack
+    finally:
+        stack.stop()
 
 
 def _is_zombie(proc: Path) -> bool:

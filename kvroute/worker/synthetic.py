@@ -14,6 +14,10 @@ Usage::
     python -m kvroute.worker.synthetic --role prefill --model DIR --orchestrator tcp://HOST:PORT
         [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--ready-file PATH]
 
+Failure injection, for fault tests: SIGUSR1 toggles failing. While failing, the worker
+stays registered and heartbeating but answers every generate with an engine error, as
+a worker with a broken engine would; a second SIGUSR1 makes it healthy again.
+
 Not a serving path: nothing here computes anything a client should read.
 """
 
@@ -77,8 +81,15 @@ class SyntheticEngine:
     timing: SyntheticTiming
     transfer_address: str
     running: dict[str, asyncio.Task] = field(default_factory=dict)
+    failing: bool = False  # failure injection: every generate raises (see the module docstring)
+
+    def toggle_failing(self) -> None:
+        self.failing = not self.failing
+        logger.warning("failure injection %s", "on: failing every request" if self.failing else "off: healthy")
 
     async def generate(self, prompt: dict, params, request_id: str):
+        if self.failing:
+            raise RuntimeError("injected failure (SIGUSR1)")
         tokens = list(prompt["prompt_token_ids"])
         context = list(tokens)
         await asyncio.sleep(self.timing.prefill_seconds_per_token * len(tokens))
@@ -143,6 +154,7 @@ class SyntheticWorker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, self.engine.toggle_failing)
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
