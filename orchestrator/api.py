@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import msgspec
@@ -219,8 +220,11 @@ async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job],
         if not service.fleet.can_serve():
             raise APIError(503, "cannot serve right now: no live prefill or decode worker", code="no_worker",
                            headers={"Retry-After": "5"})
-        return StreamingResponse(_sse(service, jobs, outcomes, shape, envelope, body.include_usage()),
-                                 media_type="text/event-stream")
+        events = _sse(service, jobs, outcomes, shape, envelope, body.include_usage())
+        # Admission happens on the way to the first event: a request that cannot be placed
+        # (429 with Retry-After, 503) gets that status, not a 200 stream holding an error.
+        first = await anext(events)
+        return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
     texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))
     choices = [shape.choice(i, text, o.finish_reason) for i, (text, o) in enumerate(zip(texts, outcomes))]
     return json_response({**envelope, "object": shape.object_name, "choices": choices, "usage": usage(jobs, outcomes)})
@@ -233,14 +237,25 @@ async def _collect(service: CompletionService, job: Job, outcome: Outcome) -> st
 async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) -> AsyncIterator[bytes]:
     base = {**envelope, "object": shape.chunk_name}
     extra = {"usage": None} if include_usage else {}
+    started = False
     try:
         async for index, delta, first in _merged(service, jobs, outcomes):
+            started = True
             yield _event({**base, "choices": [shape.chunk_choice(index, delta, first)], **extra})
         if include_usage:
             yield _event({**base, "choices": [], "usage": usage(jobs, outcomes)})
     except APIError as error:
+        if not started:
+            raise  # nothing sent yet: the caller answers with the error's own status
         yield _event(error_body(error.status, error.message, error.param, error.code))
     yield b"data: [DONE]\n\n"
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async with aclosing(rest):
+        yield first
+        async for event in rest:
+            yield event
 
 
 async def _merged(service, jobs, outcomes) -> AsyncIterator[tuple[int, Delta, bool]]:
