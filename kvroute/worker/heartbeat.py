@@ -20,6 +20,13 @@ from kvroute.netutil import async_context
 logger = logging.getLogger("kvroute.worker.heartbeat")
 
 
+def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: float) -> wire.Heartbeat:
+    """A worker's heartbeat: its identity and addresses from ``settings``, and its load."""
+    return wire.Heartbeat(worker_id=settings.worker_id, role=settings.role, incarnation=settings.incarnation,
+                          rpc_address=settings.rpc_address, load=load, sent_at=now,
+                          kv_events_address=settings.kv_events_address, model_fingerprint=model_fingerprint)
+
+
 class HeartbeatSender:
     """One socket per orchestrator; owned by the task running ``run``."""
 

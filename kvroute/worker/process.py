@@ -21,7 +21,7 @@ from kvroute import wire
 from kvroute.worker.engine import KV_EVENTS_TOPIC, start_engine
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
-from kvroute.worker.heartbeat import HeartbeatSender
+from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
@@ -90,11 +90,7 @@ class Worker:
             block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        return wire.Heartbeat(worker_id=self.settings.worker_id, role=self.settings.role,
-                              incarnation=self.settings.incarnation, rpc_address=self.settings.rpc_address,
-                              load=self.load(), sent_at=now,
-                              kv_events_address=self.settings.kv_events_address,
-                              model_fingerprint=self.fingerprint)
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now)
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)

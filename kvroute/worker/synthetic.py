@@ -28,12 +28,12 @@ import asyncio
 import logging
 import secrets
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute import wire
 from kvroute.model_prep import model_fingerprint
-from kvroute.worker.heartbeat import HeartbeatSender
+from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.resident import ResidentBlocks
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
@@ -80,7 +80,6 @@ class _Output:
 class SyntheticEngine:
     timing: SyntheticTiming
     transfer_address: str
-    running: dict[str, asyncio.Task] = field(default_factory=dict)
     failing: bool = False  # failure injection: every generate raises (see the module docstring)
 
     def toggle_failing(self) -> None:
@@ -131,10 +130,7 @@ class SyntheticWorker:
                                block_size=BLOCK_SIZE, bytes_per_block=BYTES_PER_BLOCK)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        s = self.settings
-        return wire.Heartbeat(worker_id=s.worker_id, role=s.role, incarnation=s.incarnation,
-                              rpc_address=s.rpc_address, load=self.load(), sent_at=now,
-                              kv_events_address=s.kv_events_address, model_fingerprint=self.fingerprint)
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now)
 
     async def stats(self) -> wire.WorkerStats:
         s = self.settings
