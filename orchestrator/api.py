@@ -217,9 +217,6 @@ async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job],
     envelope = {"id": jobs[0].response_id, "created": int(time.time()), "model": shape.model}
     outcomes = [Outcome() for _ in jobs]
     if body.stream:
-        if not service.fleet.can_serve():
-            raise APIError(503, "cannot serve right now: no live prefill or decode worker", code="no_worker",
-                           headers={"Retry-After": "5"})
         events = _sse(service, jobs, outcomes, shape, envelope, body.include_usage())
         # Admission happens on the way to the first event: a request that cannot be placed
         # (429 with Retry-After, 503) gets that status, not a 200 stream holding an error.
