@@ -1,7 +1,8 @@
 """Asyncio client of one worker's RPC: streamed generate, abort, stats.
 
-One DEALER socket per worker; a receive task routes replies to per-request queues.
-Every wait has a timeout, because ZeroMQ never reports a dead peer.
+One DEALER socket per worker, read by an event-loop reader callback that routes each
+reply to its request's queue. Every wait has a timeout, because ZeroMQ never reports a
+dead peer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class WorkerTimeout(WorkerError):
         super().__init__("timeout", message)
 
 
+SEND_TIMEOUT = 10.0  # seconds a full send queue may block one message
+SEND_RETRY_SECONDS = 0.005
+
 # Not worth another attempt: the request was wrong, or this client was closed for good.
 FINAL_CODES = frozenset({"bad_request", "invalid_request", "duplicate", "worker_down"})
 
@@ -55,23 +59,26 @@ class WorkerClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
-        # The same socket without asyncio's futures, to drain replies already queued after
-        # each awaited one: per message, the asyncio wrapper's bookkeeping costs more than
-        # the ZeroMQ call itself. Draining until EAGAIN keeps its readiness signal sound.
+        # Sends and receives go through the same socket without the asyncio wrapper: per
+        # message, its futures cost more than the ZeroMQ call itself. The socket's file
+        # descriptor is edge-triggered, so the reader drains until no message is left, and
+        # every send, which may consume a readiness signal, is followed by a drain.
         self._direct = zmq.Socket.shadow(self._socket.underlying)
+        self._loop = asyncio.get_running_loop()
+        self._fd = self._direct.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._drain)
         self._queues: dict[str, asyncio.Queue] = {}
         # ZeroMQ hides a dead peer, but the TCP connection's end is visible on a monitor:
         # a worker process that died fails its requests now, not at the heartbeat timeout.
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.connection_lost = False  # since the last disconnect, no peer completed a handshake
-        self._receiver = asyncio.create_task(self._receive_loop())
         self._watcher = asyncio.create_task(self._watch_connection())
 
     async def close(self) -> None:
         """Stop receiving; every request still waiting on this worker fails at once."""
-        for task in (self._receiver, self._watcher):
-            task.cancel()
-        await asyncio.gather(self._receiver, self._watcher, return_exceptions=True)
+        self._watcher.cancel()
+        await asyncio.gather(self._watcher, return_exceptions=True)
+        self._loop.remove_reader(self._fd)
         self._fail_waiting("worker_down", f"{self.address} was marked down")
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
@@ -96,15 +103,11 @@ class WorkerClient:
                                self.address, len(self._queues))
                 self._fail_waiting("worker_disconnected", f"connection to {self.address} lost")
 
-    async def _receive_loop(self) -> None:
-        while True:
-            self._route(await self._socket.recv())
-            while True:
-                try:
-                    frame = self._direct.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._route(frame)
+    def _drain(self) -> None:
+        if self._direct.closed:
+            return
+        while self._direct.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._route(self._direct.recv(zmq.NOBLOCK))
 
     def _route(self, frame: bytes) -> None:
         try:
@@ -117,9 +120,19 @@ class WorkerClient:
             queue.put_nowait(message)
 
     async def _send(self, message: wire._Message) -> None:
-        # Through the asyncio socket: a send may consume the socket's (edge-triggered)
-        # readiness signal, which only the asyncio wrapper knows to re-check afterwards.
-        await self._socket.send(wire.encode(message))
+        frame = wire.encode(message)
+        deadline = None
+        while True:
+            try:
+                self._direct.send(frame, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # the queue to the worker is full (its high-water mark)
+                now = self._loop.time()
+                deadline = deadline or now + SEND_TIMEOUT
+                if now > deadline:
+                    raise WorkerTimeout(f"{self.address} took no message for {SEND_TIMEOUT:.0f} s") from None
+                await asyncio.sleep(SEND_RETRY_SECONDS)
+        self._drain()
 
     async def generate(self, request: wire.GenerateRequest, timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
         """Stream the request's chunks; abort it on the worker if the caller stops early."""

@@ -7,7 +7,10 @@ drift and noise fall on both sides alike,
 
 1. N small requests (a fixed short token-id prompt, ``max_tokens`` 4, greedy,
    ``ignore_eos``) through the orchestrator's ``/v1/completions``, non-streaming
-   (latency) and streaming (time to the first SSE event);
+   (latency) and streaming (time to the first SSE event), with a minimal keep-alive
+   HTTP/1.1 client (``kvroute.bench.lean_http``) so that the client library's CPU time,
+   which shares these cores, is not counted as the orchestrator's; and non-streaming once
+   more with httpx, to show what a general-purpose client adds;
 2. the same work on the same two workers through the library driver
    (``orchestrator.disagg.generate_disaggregated`` over ``WorkerClient``), which is
    what the orchestrator runs per request minus HTTP, JSON, placement and
@@ -43,12 +46,15 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
+from kvroute.bench.lean_http import LeanConnection  # noqa: E402
 from kvroute.bench.stack import Stack, SyntheticStack  # noqa: E402
 
 import httpx  # noqa: E402
@@ -171,6 +177,12 @@ class Paths:
         self.model_name = model_name
         limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
         self.http = httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits)
+        parsed = httpx.URL(url)
+        self.host, self.port = parsed.host, parsed.port
+        # Idle lean connections, one per concurrent client at most. The lean client keeps the
+        # client library's own CPU time, which shares these cores, out of the orchestrator's
+        # overhead; the httpx kind shows what a general-purpose client adds on top.
+        self.lean: list[LeanConnection] = []
         self.prefill = WorkerClient(prefill_address)
         self.decode = WorkerClient(decode_address)
         # What orchestrator.api._job builds for temperature 0, ignore_eos, no seed.
@@ -184,36 +196,58 @@ class Paths:
 
     async def close(self) -> None:
         await self.http.aclose()
+        for connection in self.lean:
+            await connection.close()
         await self.prefill.close()
         await self.decode.close()
 
     async def http_request(self) -> dict:
+        return await self._completion(lean=True)
+
+    async def http_request_httpx(self) -> dict:
+        return await self._completion(lean=False)
+
+    async def _completion(self, lean: bool) -> dict:
         start = time.perf_counter()
-        response = await self.http.post("/v1/completions", json=self.body)
-        while response.status_code == 429:
+        status, body = await self._post(self.body, lean)
+        while status == 429:
             self.rejected += 1
             await asyncio.sleep(0.05)
-            response = await self.http.post("/v1/completions", json=self.body)
+            status, body = await self._post(self.body, lean)
         elapsed = time.perf_counter() - start
-        response.raise_for_status()
-        body = response.json()
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body}")
         tokens = body["usage"]["completion_tokens"]
         if tokens != self.args.max_tokens:
             raise RuntimeError(f"expected {self.args.max_tokens} tokens through the API, got {tokens}: {body}")
         return {"latency_s": elapsed, "text": body["choices"][0]["text"]}
 
+    async def _post(self, body: dict, lean: bool) -> tuple[int, dict]:
+        if not lean:
+            response = await self.http.post("/v1/completions", json=body)
+            return response.status_code, response.json()
+        connection = self.lean.pop() if self.lean else LeanConnection(self.host, self.port)
+        try:
+            return await connection.post_json("/v1/completions", body)
+        finally:
+            self.lean.append(connection)
+
+    async def _events(self, body: dict) -> AsyncIterator[str]:
+        connection = self.lean.pop() if self.lean else LeanConnection(self.host, self.port)
+        try:
+            async for data in connection.post_sse("/v1/completions", body):
+                yield data
+        finally:
+            self.lean.append(connection)
+
     async def http_stream(self) -> dict:
         start = time.perf_counter()
         first = None
         text = []
-        async with self.http.stream("POST", "/v1/completions", json={**self.body, "stream": True}) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
+        async with aclosing(self._events({**self.body, "stream": True})) as events:
+            async for data in events:
                 if data == "[DONE]":
-                    break
+                    continue  # read on to the end of the body: the connection is reused
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"stream error: {event}")
@@ -251,18 +285,23 @@ async def attempt(call) -> dict:
         return {"error": repr(error)}
 
 
+def kinds_measured(samples: dict[str, list[dict]]) -> list[str]:
+    return [name for name in samples if name != "orchestrator_cpu"]
+
+
 def ok(samples: list[dict]) -> list[dict]:
     return [s for s in samples if "error" not in s]
 
 
 async def sequential(paths: Paths, n: int) -> dict:
     """N rounds of the three request kinds; the order rotates every round."""
-    kinds = {"http": paths.http_request, "direct": paths.direct, "http_stream": paths.http_stream}
+    kinds = {"http": paths.http_request, "direct": paths.direct, "http_stream": paths.http_stream,
+             "http_httpx": paths.http_request_httpx}
     names = list(kinds)
     samples: dict[str, list[dict]] = {name: [] for name in names}
     cpu_before, wall_before = (paths.meter.read() if paths.meter else 0.0), time.perf_counter()
     for i in range(n):
-        order = names[i % 3:] + names[:i % 3]
+        order = names[i % len(names):] + names[:i % len(names)]
         if i % 2:
             order.reverse()  # both rotations and reversals: every kind goes first, middle and last
         for name in order:
@@ -351,24 +390,27 @@ async def measure(args: argparse.Namespace, url: str, model_name: str, workers: 
               if "error" not in h and "error" not in d]
     paired_ttft = [h["ttft_s"] - d["ttft_s"] for h, d in zip(samples["http_stream"], samples["direct"])
                    if "error" not in h and "error" not in d]
-    failed = {name: [s["error"] for s in samples[name] if "error" in s] for name in ("http", "direct", "http_stream")}
+    httpx_latency = summary([s["latency_s"] for s in ok(samples["http_httpx"])])
+    failed = {name: [s["error"] for s in samples[name] if "error" in s] for name in kinds_measured(samples)}
     added_p50 = http_latency["p50"] - direct_latency["p50"]
     # The orchestrator's CPU time while each request ran. During a direct request it still
     # does its background work (heartbeats, the KV events the request causes), so the mean
     # over direct requests is the baseline that the HTTP requests' mean is compared with.
     cpu = samples.pop("orchestrator_cpu")[0]
     cpu_mean = {name: statistics.fmean(s["orchestrator_cpu_s"] for s in samples[name]) if samples[name] else None
-                for name in ("http", "direct", "http_stream")}
-    texts = {s["text"] for s in ok(samples["http"])} | {s["text"] for s in ok(samples["http_stream"])}
+                for name in kinds_measured(samples)}
+    texts = {s["text"] for name in ("http", "http_stream", "http_httpx") for s in ok(samples[name])}
     direct_tokens = {tuple(s["token_ids"]) for s in ok(samples["direct"])}
     return {
-        "latency": {"http": http_latency, "direct": direct_latency, "http_stream": stream_latency},
+        "latency": {"http": http_latency, "direct": direct_latency, "http_stream": stream_latency,
+                    "http_httpx": httpx_latency},
         "ttft": {"http_stream": stream_ttft, "direct": direct_ttft},
         "added": {
             "p50_latency_s": added_p50,
             "p50_ttft_s": stream_ttft["p50"] - direct_ttft["p50"],
             "paired_latency_diff": {k: v for k, v in summary(paired).items()},
             "paired_ttft_diff": {k: v for k, v in summary(paired_ttft).items()},
+            "p50_latency_httpx_client_s": httpx_latency["p50"] - direct_latency["p50"],
             "target_p50_s": TARGET_ADDED_P50_S,
             "meets_target": added_p50 <= TARGET_ADDED_P50_S,
         },
@@ -399,6 +441,7 @@ def print_report(results: dict) -> None:
     rows = [("latency via HTTP API (non-streaming)", m["latency"]["http"]),
             ("latency direct (generate_disaggregated)", m["latency"]["direct"]),
             ("latency via HTTP API (streaming)", m["latency"]["http_stream"]),
+            ("latency via HTTP API, httpx client", m["latency"]["http_httpx"]),
             ("TTFT via HTTP API (streaming)", m["ttft"]["http_stream"]),
             ("TTFT direct", m["ttft"]["direct"]),
             ("paired diff HTTP − direct, latency", m["added"]["paired_latency_diff"]),
@@ -409,7 +452,8 @@ def print_report(results: dict) -> None:
     added = m["added"]
     verdict = "[green]meets[/green]" if added["meets_target"] else "[red]misses[/red]"
     console.print(f"added p50 latency: {ms(added['p50_latency_s'])} ms ({verdict} the "
-                  f"{ms(added['target_p50_s'])} ms target); added p50 TTFT: {ms(added['p50_ttft_s'])} ms")
+                  f"{ms(added['target_p50_s'])} ms target); added p50 TTFT: {ms(added['p50_ttft_s'])} ms; "
+                  f"with httpx as the client: {ms(added['p50_latency_httpx_client_s'])} ms")
     cpu = m["orchestrator_cpu"]
     console.print(f"orchestrator CPU added per HTTP request (vs its CPU during direct requests): "
                   f"{ms(cpu['added_per_request_s'])} ms non-streaming, {ms(cpu['added_per_stream_request_s'])} ms "
