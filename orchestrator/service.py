@@ -160,7 +160,8 @@ class CompletionService:
                                                                         load.num_total_blocks),
                           num_total_blocks=load.num_total_blocks,
                           block_size=load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=load.bytes_per_block,
-                          in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks)
+                          in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks,
+                          resident_blocks=self.index.num_blocks(worker.worker_id))
 
     # ------------------------------------------------------------ running
 

@@ -70,7 +70,7 @@ class SimWorker:
                 num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.num_queued_prompt_tokens,
                 num_free_blocks=pool.num_free, num_total_blocks=pool.num_total,
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
-                in_flight=self.in_flight)
+                in_flight=self.in_flight, resident_blocks=pool.num_cached)
         return self._view
 
 

@@ -196,3 +196,31 @@ def test_a_gap_just_over_the_bound_does_not_lose_to_a_far_longer_ttft():
     local = next(plan for plan in decision.alternatives if plan.kind is PlanKind.LOCAL)
     chosen = decision.chosen.estimate
     assert chosen.gap > 0.25 and chosen.ttft + chosen.gap < local.estimate.ttft
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("prefill, decode, expected", [
+    # a new prefix, equal costs: the emptier prefill cache takes it, not the one holding more
+    ([worker("p0", resident_blocks=900), worker("p1", resident_blocks=100)], [BUSY_DECODE], ("p1", "d0")),
+    # LOCAL and DISAGG tie on TTFT (idle decode worker); its cache is fuller, so DISAGG
+    ([worker("p0", resident_blocks=100)], [worker("d0", resident_blocks=800)], ("p0", "d0")),
+    # ... and LOCAL when the decode worker's cache is the emptier one
+    ([worker("p0", resident_blocks=800)], [worker("d0", resident_blocks=100)], ("d0",)),
+    # fill never outweighs cost: the full cache that holds the prompt still wins
+    ([worker("p0", resident_blocks=950, cached_blocks=50), worker("p1")], [BUSY_DECODE], ("p0", "d0")),
+    # caches within a percent of each other are equally full: load, then id, decide
+    ([worker("p1", resident_blocks=503), worker("p0", resident_blocks=498)], [BUSY_DECODE], ("p0", "d0")),
+])
+def test_equal_cost_placements_go_to_the_emptier_cache(seed, prefill, decode, expected):
+    prefill = list(prefill)
+    random.Random(seed).shuffle(prefill)
+    model = CostModel(interleave_seconds_per_active=0.0, local_interference_weight=1.0)
+    decision = decide(prefill, decode, model)
+    assert decision.chosen.workers == expected, decision.reason
+    if expected == ("p1", "d0"):
+        assert "emptier cache (10% full against 90%)" in decision.reason
+
+
+def test_cache_fill_is_the_indexed_share_of_the_cache():
+    assert worker("p0", resident_blocks=250).cache_fill == 0.25
+    assert worker("p0", num_total_blocks=0).cache_fill == 0.0

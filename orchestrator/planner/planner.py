@@ -8,8 +8,11 @@ whose hand-off gap exceeds the bound is charged its whole gap as well. A gap wit
 bound is free; one past it costs what it costs, so a plan just over the bound still
 beats one that makes the client wait many times longer for its first token (a strict
 "within the bound first" order sent every request of an overloaded cluster to the one
-decode worker, whose LOCAL plans have no gap). Ties go to the smaller gap, then the
-lighter load, then worker ids.
+decode worker, whose LOCAL plans have no gap). Ties go to the plan whose prefilling
+worker's cache is emptier, then the smaller gap, the lighter load and worker ids: the
+prompt's blocks stay cached where it is prefilled, so equal-cost placements of new
+prefixes fill the pool's caches evenly instead of evicting one worker's other prefixes
+(which a smaller but noisy link-estimate gap did: one worker took most new prefixes).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, Wo
 
 POLICY_NAME = "cache_aware"
 TIE_RESOLUTION_SECONDS = 6  # decimal places: costs closer than a microsecond are a tie
+CACHE_FILL_RESOLUTION = 2  # decimal places: caches filled within a percent are equally full
 
 
 class CacheAwarePlanner:
@@ -66,8 +70,9 @@ def ranking_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSetti
     seconds = estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
     load = [load_key(views[worker_id])[:2] for worker_id in plan.workers]
     total_load = (sum(active for active, _ in load), sum(queued for _, queued in load))
-    return (round(seconds, TIE_RESOLUTION_SECONDS), round(estimate.gap, TIE_RESOLUTION_SECONDS),
-            total_load, plan.prefill_worker or "", plan.decode_worker)
+    prefilling = views[plan.prefill_worker or plan.decode_worker]
+    return (round(seconds, TIE_RESOLUTION_SECONDS), round(prefilling.cache_fill, CACHE_FILL_RESOLUTION),
+            round(estimate.gap, TIE_RESOLUTION_SECONDS), total_load, plan.prefill_worker or "", plan.decode_worker)
 
 
 def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: dict[str, WorkerView],
@@ -82,6 +87,9 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
         runner_up = ranked[1]
         reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
                    f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s)")
+        chosen_key, runner_up_key = ranking_key(chosen, views, settings), ranking_key(runner_up, views, settings)
+        if chosen_key[0] == runner_up_key[0] and chosen_key[1] != runner_up_key[1]:
+            reason += f"; equal cost, emptier cache ({chosen_key[1]:.0%} full against {runner_up_key[1]:.0%})"
     return reason
 
 

@@ -30,6 +30,12 @@ class WorkerView:
     bytes_per_block: int
     in_flight: int = 0  # requests this orchestrator sent and has not seen finish
     cached_blocks: int = 0  # leading blocks of this request's prompt resident on the worker
+    resident_blocks: int = 0  # blocks of any prompt resident on the worker (the index's count)
+
+    @property
+    def cache_fill(self) -> float:
+        """Share of the worker's KV cache that holds indexed blocks (0 when it reports none)."""
+        return self.resident_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
 
 
 @dataclass(frozen=True)
