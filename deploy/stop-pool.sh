@@ -3,10 +3,12 @@
 #
 #   deploy/stop-pool.sh [--log-dir DIR] [--grace SECONDS] [ROLE]
 #
-# For every DIR/ROLE-i.pid (all roles unless ROLE is given): SIGTERM the worker's
-# process group (the worker and vLLM's engine processes), wait up to the grace period
-# (default 30 s), SIGKILL whatever is left, and remove the pid file. Running it again
-# when nothing is left is a no-op that exits 0.
+# For every DIR/ROLE-i.pid (all roles unless ROLE is given): SIGTERM the worker itself,
+# which drains (takes no new work, finishes what it has, then exits); once it has exited,
+# SIGTERM the rest of its process group (vLLM's engine processes, which would abort their
+# requests on a SIGTERM of their own, so they must not get one earlier). Whatever is left
+# after the grace period (default 60 s, longer than the workers' 30 s drain) gets SIGKILL,
+# and the pid file is removed. Running it again when nothing is left is a no-op that exits 0.
 set -euo pipefail
 
 PROG=${0##*/}
@@ -20,7 +22,7 @@ Stop the workers whose pid files are in DIR (default: $DEFAULT_LOG_DIR).
 
   ROLE               prefill or decode; default: both
   --log-dir DIR      where deploy/start-pool.sh wrote logs and pid files
-  --grace SECONDS    wait this long after SIGTERM before SIGKILL (default: 30)
+  --grace SECONDS    wait this long after SIGTERM before SIGKILL (default: 60)
   -h, --help         this text
 EOF
 }
@@ -45,8 +47,15 @@ group_alive() {
     fi
 }
 
+# The worker (the group's leader) itself is still running (a zombie counts as gone).
+leader_alive() {
+    local state
+    state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z* ]]
+}
+
 log_dir=$DEFAULT_LOG_DIR
-grace=30
+grace=60
 role=""
 
 while [[ $# -gt 0 ]]; do
@@ -85,7 +94,7 @@ if [[ ${#pid_files[@]} -eq 0 ]]; then
     exit 0
 fi
 
-# Send SIGTERM to every group first, so the workers shut down in parallel.
+# Send SIGTERM to every worker first, so they drain in parallel.
 names=()
 pids=()
 for pid_file in "${pid_files[@]}"; do
@@ -108,7 +117,7 @@ for pid_file in "${pid_files[@]}"; do
         rm -f -- "$pid_file"
         continue
     fi
-    kill -TERM -- "-$pid" 2>/dev/null || true
+    kill -TERM -- "$pid" 2>/dev/null || true
     names+=("$name")
     pids+=("$pid")
 done
@@ -118,11 +127,18 @@ done
 ticks=0  # of 0.2 s; counted rather than read from $SECONDS, which has whole-second steps
 remaining=${#pids[@]}
 declare -A done_at=()
+declare -A group_signalled=()
 while [[ $remaining -gt 0 ]]; do
     remaining=0
     for idx in "${!pids[@]}"; do
         [[ -z ${done_at[$idx]:-} ]] || continue
-        if group_alive "${pids[$idx]}"; then
+        pid=${pids[$idx]}
+        # The worker has drained and exited: now the rest of its group may stop.
+        if [[ -z ${group_signalled[$idx]:-} ]] && ! leader_alive "$pid"; then
+            kill -TERM -- "-$pid" 2>/dev/null || true
+            group_signalled[$idx]=1
+        fi
+        if group_alive "$pid"; then
             remaining=$((remaining + 1))
         else
             done_at[$idx]="$((ticks / 5)).$((ticks % 5 * 2))"

@@ -1,8 +1,11 @@
 """Starting and stopping worker processes on this machine (tests, scripts, ``kvroute serve``).
 
 Each worker runs as ``python -m <role>_worker`` in its own process group, announces
-its addresses through a ready file, and is stopped with SIGTERM (SIGKILL after a
-grace period) so that vLLM's own child processes go with it.
+its addresses through a ready file, and is stopped with SIGTERM, which drains it
+(``kvroute.worker.drain``). Then its whole process group is stopped (SIGKILL after a
+grace period), so that vLLM's own child processes go with it. With nothing running a
+worker exits at once: stopping an idle pool (``kvroute serve`` stops its API first)
+takes no longer than it did.
 """
 
 from __future__ import annotations
@@ -51,16 +54,19 @@ class LaunchedWorker:
         raise WorkerStartError(f"{self.role} worker not ready after {timeout:.0f} s; see {self.log_path}")
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the worker's process group; SIGKILL whatever of it outlives ``grace``.
+        """SIGTERM the worker, which drains it; SIGKILL whatever of its group outlives ``grace``.
 
-        The group includes vLLM's engine-core and model-worker processes, which can
-        outlive the worker's own process by a few seconds.
+        The first SIGTERM goes to the worker alone: the group also holds vLLM's engine-core
+        and model-worker processes, which abort their requests on a SIGTERM of their own,
+        and which the worker stops itself once drained. They can outlive the worker's own
+        process by a few seconds, so what is left of the group gets SIGTERM once it is gone.
+        ``grace`` also bounds how long the worker's running requests get to finish.
         """
-        _signal_group(self.process, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _group_alive(self.process) and time.monotonic() < deadline:
-            self.process.poll()  # reap our child so it does not count as alive
-            time.sleep(0.2)
+        self.process.send_signal(signal.SIGTERM)
+        _wait_until(lambda: self.process.poll() is not None, deadline)  # poll() reaps it, too
+        _signal_group(self.process, signal.SIGTERM)
+        _wait_until(lambda: not _group_alive(self.process), deadline)
         _signal_group(self.process, signal.SIGKILL)
         self.process.wait(10)
 
@@ -75,6 +81,11 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _wait_until(condition, deadline: float) -> None:
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _group_alive(process: subprocess.Popen) -> bool:

@@ -186,6 +186,8 @@ class Heartbeat(_Message, tag="heartbeat"):
     sent_at: float
     kv_events_address: str = ""
     model_fingerprint: str = ""
+    # Told to stop: finishing the requests it has, refusing new ones (kvroute.worker.drain).
+    draining: bool = False
 
 
 class SnapshotRequest(_Message, tag="snapshot"):

@@ -1,12 +1,24 @@
-"""Operator actions across the fleet."""
+"""Operator views of and actions across the fleet."""
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from orchestrator.fleet import Fleet
+from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
 from orchestrator.worker_client import WorkerError
+
+
+def describe_workers(fleet: Fleet, index: PrefixIndex) -> list[dict]:
+    """The workers as the orchestrator sees them (operators, tests, dashboards): those in
+    rotation, then those draining, which still finish their requests until they stop."""
+    return [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
+             "rpc_address": w.rpc_address, "draining": w.draining, "in_flight": fleet.in_flight(w.worker_id),
+             "index_blocks": index.num_blocks(w.worker_id), "load": msgspec.to_builtins(w.load)}
+            for role in ("prefill", "decode") for w in (*fleet.live(role), *fleet.draining(role))]
 
 
 async def reset_all_caches(fleet: Fleet, index_sync: IndexSync) -> list[dict]:

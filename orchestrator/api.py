@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request
@@ -16,11 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute import wire
 from kvroute.identity import Namespace
-from orchestrator.admin import reset_all_caches
+from orchestrator.admin import describe_workers, reset_all_caches
 from orchestrator.auth import ApiKeys
 from orchestrator.index_sync import IndexSync
 from orchestrator.errors import APIError, error_body
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.service import CompletionService, Delta, Job, Outcome
 from orchestrator.tokenization import PromptError
 
@@ -38,6 +39,7 @@ class ApiContext:
     api_keys: ApiKeys
     index_sync: IndexSync
     allow_policy_override: bool = False
+    rate_limits: TenantRateLimits = field(default_factory=TenantRateLimits)
 
     def namespace(self, request: Request) -> Namespace:
         principal = request.state.principal
@@ -61,7 +63,11 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
     async def authenticate(request: Request) -> None:
         request.state.principal = context.api_keys.authenticate(request.headers.get("authorization"))
 
+    async def within_rate_limit(request: Request) -> None:  # runs after the router's authenticate
+        context.rate_limits.admit(request.state.principal.tenant)
+
     public, router = APIRouter(), APIRouter(dependencies=[Depends(authenticate)])
+    limited = [Depends(within_rate_limit)]  # only the completion routes: they are what costs engine time
     service, codec = context.service, context.service.codec
 
     @router.get("/v1/models")
@@ -78,13 +84,8 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
 
     @router.get("/admin/workers")
     async def workers():
-        """Live workers as the orchestrator sees them (operators, tests, dashboards)."""
-        fleet = service.fleet
-        return {"workers": [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
-                             "rpc_address": w.rpc_address, "in_flight": fleet.in_flight(w.worker_id),
-                             "index_blocks": service.index.num_blocks(w.worker_id),
-                             "load": msgspec.to_builtins(w.load)}
-                            for role in ("prefill", "decode") for w in fleet.live(role)]}
+        """Workers in rotation, then draining ones (operators, tests, dashboards)."""
+        return {"workers": describe_workers(service.fleet, service.index)}
 
     @router.post("/admin/reset-cache")
     async def reset_cache():
@@ -109,7 +110,7 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
                            param="response_id", code="decision_not_found")
         return {"object": "list", "data": [r.to_dict() for r in records]}
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", dependencies=limited)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_request(body, context)
         try:
@@ -119,7 +120,7 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
         shape = ChatShape(context.model_name)
         return await _respond(service, body, _jobs(body, [prompt], context, request, shape), shape)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", dependencies=limited)
     async def completions(body: CompletionRequest, request: Request):
         _check_request(body, context)
         prompts = [_encode_prompt(codec, prompt) for prompt in body.prompts()]

@@ -23,6 +23,7 @@ from orchestrator.index_sync import IndexSync
 from orchestrator.metrics import Metrics
 from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.policies import POLICIES, make_policy
+from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.registry import WorkerRegistry
 from orchestrator.service import CompletionService
 from orchestrator.settings import OrchestratorSettings
@@ -66,8 +67,10 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     app.add_middleware(RequestCounter, metrics=service.metrics)  # outermost: counts the 413s too
     api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()
+    rate_limits = TenantRateLimits(settings.default_rate_limit(), api_keys.rate_limits,
+                                   on_limited=metrics.observe_rate_limited)
     context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
-                         settings.allow_policy_override)
+                         settings.allow_policy_override, rate_limits)
     for router in build_routers(context):
         app.include_router(router)
     return app

@@ -31,10 +31,12 @@ logger = logging.getLogger("kvroute.orchestrator.breaker")
 
 # Error codes that are the request's fault, not the worker's: every worker would say the same.
 REQUEST_FAULT_CODES = frozenset({"bad_request", "invalid_request", "duplicate"})
+# A worker that is draining refuses new requests on purpose; it is leaving, not failing.
+DRAINING_CODE = "draining"
 
 
 def counts_against_worker(error: WorkerError) -> bool:
-    return error.code not in REQUEST_FAULT_CODES
+    return error.code not in REQUEST_FAULT_CODES and error.code != DRAINING_CODE
 
 
 class BreakerState(enum.Enum):

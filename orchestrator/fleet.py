@@ -67,13 +67,22 @@ class Fleet:
     # ------------------------------------------------------------ queries
 
     def live(self, role: str) -> list[WorkerView]:
-        """Registered, heartbeating, reachable, and not failing: a worker whose RPC connection
-        broke is left out until it is back, so no request waits on a process that died, and
-        one whose circuit breaker is open until its cool-down let a probe succeed."""
+        """Registered, heartbeating, reachable, not draining and not failing: a worker whose RPC
+        connection broke is left out until it is back, so no request waits on a process that
+        died; one that is draining for good, as it is about to stop; and one whose circuit
+        breaker is open until its cool-down let a probe succeed."""
         now = time.monotonic()
         return [w for w in self.registry.live(role)
-                if (client := self._clients.get(w.worker_id)) is not None and not client.connection_lost
-                and self.breakers.allows(w.worker_id, now)]
+                if self._reachable(w.worker_id) and not w.draining and self.breakers.allows(w.worker_id, now)]
+
+    def draining(self, role: str) -> list[WorkerView]:
+        """Reachable workers that are draining: out of planning, finishing what they have.
+        One that stopped leaves this list when its connection drops."""
+        return [w for w in self.registry.live(role) if w.draining and self._reachable(w.worker_id)]
+
+    def _reachable(self, worker_id: str) -> bool:
+        client = self._clients.get(worker_id)
+        return client is not None and not client.connection_lost
 
     def client(self, worker_id: str) -> WorkerClient | None:
         return self._clients.get(worker_id)

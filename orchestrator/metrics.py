@@ -21,6 +21,8 @@ class Metrics:
         self.in_flight = Gauge("kvroute_requests_in_flight", "completions being served", registry=r)
         self.rejected = Counter("kvroute_requests_rejected", "requests refused with 429: no feasible plan",
                                 registry=r)
+        self.rate_limited = Counter("kvroute_rate_limited", "requests refused with 429: over the tenant's rate limit",
+                                    ["tenant"], registry=r)
         self.ttft = Histogram("kvroute_time_to_first_token_seconds", "request arrival to first token",
                               ["policy", "plan"], buckets=LATENCY_BUCKETS, registry=r)
         self.second_token = Histogram("kvroute_time_to_second_token_seconds",
@@ -55,6 +57,9 @@ class Metrics:
         self.transfer_seconds = Histogram("kvroute_transfer_seconds", "time of one KV pull, per link",
                                           ["source", "destination"], buckets=LATENCY_BUCKETS, registry=r)
         self.workers = Gauge("kvroute_workers", "live workers by role", ["role"], registry=r)
+        self.draining_workers = Gauge("kvroute_workers_draining",
+                                      "workers finishing their requests before they stop, by role "
+                                      "(not counted in kvroute_workers)", ["role"], registry=r)
         self.worker_failures = Counter("kvroute_worker_failures", "placements ended by a worker error",
                                        ["role"], registry=r)
         self.breaker_state = Gauge("kvroute_worker_breaker_state",
@@ -77,11 +82,15 @@ class Metrics:
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
 
+    def observe_rate_limited(self, tenant: str) -> None:
+        self.rate_limited.labels(tenant).inc()
+
     def refresh_fleet(self, fleet, index) -> None:
         """Gauges read from the fleet and the index when /metrics is scraped."""
         for role in ("prefill", "decode"):
             workers = fleet.live(role)
             self.workers.labels(role).set(len(workers))
+            self.draining_workers.labels(role).set(len(fleet.draining(role)))
             for worker in workers:
                 self.index_blocks.labels(worker.worker_id).set(index.num_blocks(worker.worker_id))
                 self._export_evictions(worker.worker_id, index.num_evicted(worker.worker_id))

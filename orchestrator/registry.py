@@ -27,6 +27,7 @@ class WorkerView:
     load: wire.WorkerLoad
     last_seen: float
     kv_events_address: str = ""
+    draining: bool = False  # told to stop: finishing its requests, taking no new ones
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ class WorkerRegistry:
             return Verdict(False, f"unknown role {beat.role!r}")
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,
-                                                   beat.load, now, beat.kv_events_address)
+                                                   beat.load, now, beat.kv_events_address, beat.draining)
         if previous is not None and previous.incarnation == beat.incarnation:
+            if beat.draining and not previous.draining:
+                logger.info("worker %s is draining: no new requests go there", beat.worker_id)
             return Verdict(True)
         replaced = previous if previous is not None else None
         logger.info("worker %s (%s) %s at %s", beat.worker_id, beat.role,

@@ -210,7 +210,8 @@ class CompletionService:
             health = (True, None)
         except WorkerError as error:
             role = "decode" if handoff.first_token_at or plan.kind is PlanKind.LOCAL else "prefill"
-            self.metrics.worker_failures.labels(role).inc()
+            if counts_against_worker(error):  # a draining worker is leaving, not failing
+                self.metrics.worker_failures.labels(role).inc()
             record.actual.error = str(error)
             failure = _WorkerFailed(role, plan.decode_worker if role == "decode" else plan.prefill_worker, error)
             health = (False, failure)

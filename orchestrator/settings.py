@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvroute.config import setting
@@ -9,6 +10,7 @@ from kvroute.config import setting
 from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.planner.policies import POLICIES
 from orchestrator.planner.settings import PlannerSettings
+from orchestrator.rate_limit import RateLimit
 from orchestrator.retry import RetryPolicy
 
 
@@ -46,6 +48,11 @@ class OrchestratorSettings:
                                                  "minus up to half at random")
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
     api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
+    tenant_rate_limit: float = setting(0.0, "completion requests per second each tenant may send (a token bucket "
+                                            "per tenant; over it: 429 and the seconds to wait); a key's rate_limit in "
+                                            "the key file overrides it for its tenant; 0: no limit")
+    tenant_burst: int = setting(0, "requests a tenant may send at once (the bucket's size); 0: "
+                                   "tenant_rate_limit rounded up, at least 1")
     log_level: str = setting("info", "log level: debug, info, warning, error")
     access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
                                       "already gets one on kvroute.decisions")
@@ -56,6 +63,8 @@ class OrchestratorSettings:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.breaker_settings(), self.retry_policy()  # their own checks, at start-up
+        if not (0 <= self.tenant_rate_limit < math.inf) or self.tenant_burst < 0:
+            raise ValueError("tenant_rate_limit and tenant_burst must be finite and not negative")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 
@@ -71,6 +80,10 @@ class OrchestratorSettings:
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(attempts=self.rpc_retry_attempts, base_delay_seconds=self.rpc_retry_base_seconds)
+
+    def default_rate_limit(self) -> RateLimit | None:
+        """The limit of every tenant whose keys set none; None: not limited."""
+        return RateLimit.of(self.tenant_rate_limit, self.tenant_burst)
 
     @property
     def registry_address(self) -> str:

@@ -65,6 +65,17 @@ async def wait_idle(client: WorkerClient, timeout: float = 15.0) -> wire.WorkerS
         await asyncio.sleep(0.1)
 
 
+async def wait_staged(client: WorkerClient, leases_staged: int, timeout: float = 10.0) -> wire.WorkerStats:
+    """Poll until the producer has staged ``leases_staged`` leases in all; return its stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await client.stats()
+        if stats.transfer.leases_staged >= leases_staged:
+            return stats
+        assert time.monotonic() < deadline, f"lease never staged: {stats.transfer}"
+        await asyncio.sleep(0.05)
+
+
 def process_tree_cpu_cores(root_pid: int, seconds: float) -> float:
     """Average cores used by a process and its descendants over ``seconds`` (from /proc)."""
     start = _tree_cpu_seconds(root_pid)

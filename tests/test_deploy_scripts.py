@@ -246,3 +246,53 @@ def test_stale_pid_files_are_cleaned_up(fakes):
     assert stopped.returncode == 0, stopped.stderr
     assert "not running" in stopped.stdout and "no valid pid" in stopped.stdout
     assert not list(log_dir.glob("*.pid"))
+
+
+DRAINING_PYTHON = """#!/usr/bin/env bash
+# A worker that drains for a second on SIGTERM, with an "engine" child in its group.
+out="$FAKE_RECORD_DIR/$$"
+"$FAKE_ENGINE" $$ "$out.engine" &
+trap 'sleep 1; echo drained > "$out.drained"; exit 0' TERM
+sleep 300 &
+wait
+"""
+
+# Notes whether the worker ($1) was still running (a zombie is not) when it got SIGTERM.
+FAKE_ENGINE = """#!/usr/bin/env bash
+on_term() {
+    case $(ps -o stat= -p "$1") in
+        "" | Z*) echo after > "$2" ;;
+        *) echo early > "$2" ;;
+    esac
+    exit 0
+}
+trap 'on_term "$1" "$2"' TERM
+sleep 300 &
+wait
+"""
+
+
+def test_stop_pool_lets_the_worker_drain_before_its_engine_processes_stop(fakes, tmp_path):
+    draining = _executable(tmp_path / "draining-python", DRAINING_PYTHON)
+    env = {**fakes["env"], "FAKE_ENGINE": str(_executable(tmp_path / "fake-engine", FAKE_ENGINE))}
+    log_dir = fakes["log_dir"]
+    started = run(START, "decode", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--log-dir", str(log_dir),
+                  "--python", str(draining), env=env)
+    pid = None
+    try:
+        assert started.returncode == 0, started.stderr
+        pid = int((log_dir / "decode-0.pid").read_text())
+        stopped = run(STOP, "--log-dir", str(log_dir), "--grace", "10", env=fakes["env"])
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stopped decode-0" in stopped.stdout and "with SIGTERM" in stopped.stdout
+        assert (fakes["records"] / f"{pid}.drained").read_text().strip() == "drained"
+        assert wait_for(lambda: (fakes["records"] / f"{pid}.engine").exists(), 5)
+        assert (fakes["records"] / f"{pid}.engine").read_text().strip() == "after", \
+            "the engine processes were signalled while the worker was still draining"
+        assert wait_for(lambda: not group_members(pid), 5)
+    finally:
+        if pid is not None:
+            try:
+                os.killpg(pid, 9)
+            except ProcessLookupError:
+                pass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import pytest
 import zmq
@@ -19,7 +18,7 @@ from kvroute.model_prep import resolve_model
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
 from tests.cluster import (Clients, process_tree_cpu_cores, run_disaggregated, run_single, start_worker,
-                           wait_idle, START_TIMEOUT)
+                           wait_idle, wait_staged, START_TIMEOUT)
 
 GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
 TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
@@ -160,16 +159,6 @@ async def test_held_lease_is_staged_and_the_producer_engine_goes_idle(clients, e
             await release(source, "test")
     after = await wait_idle(clients.prefill)
     assert after.transfer.staged_bytes == 0
-
-
-async def wait_staged(client: WorkerClient, leases_staged: int, timeout: float = 10.0) -> wire.WorkerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = await client.stats()
-        if stats.transfer.leases_staged >= leases_staged:
-            return stats
-        assert time.monotonic() < deadline, f"lease never staged: {stats.transfer}"
-        await asyncio.sleep(0.05)
 
 
 async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines, tokenizer):

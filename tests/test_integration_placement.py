@@ -2,21 +2,31 @@
 
 A request whose long prefix is already resident goes where it is resident, reports
 ``cached_tokens > 0``, and its decision record says why; the same prompt from another
-tenant matches nothing.
+tenant matches nothing, and is as slow as a cold prompt (no timing side channel), while
+the tenant's own repeat is fast. Neither API keys nor prompt text reach the logs of the
+orchestrator or the workers at the default log level.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import random
+import statistics
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from kvroute.model_prep import default_cache_dir
+from kvroute.model_prep import default_cache_dir, resolve_model
 from kvroute.bench.stack import Stack
+from orchestrator.tokenization import TextCodec
 
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"sk-tenant-a": {"tenant": "team-a"}, "sk-tenant-b": {"tenant": "team-b"}}
+AUDIT_KEY = "sk-audit-Qx7Lm2Vz9Rt"  # distinctive, so that finding it in a log means it leaked
+KEYS = {"sk-tenant-a": {"tenant": "team-a"}, "sk-tenant-b": {"tenant": "team-b"},
+        AUDIT_KEY: {"tenant": "team-audit"}}
 SHARED = "You are the assistant of the kvroute repository. Repository map follows. " + " ".join(
     f"src/module_{i}.py defines class Component{i} and function handle_{i}." for i in range(60))
 
@@ -25,11 +35,11 @@ SHARED = "You are the assistant of the kvroute repository. Repository map follow
 def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("placement")
     keys = folder / "keys.json"
-    keys.write_text(__import__("json").dumps({"keys": KEYS}))
+    keys.write_text(json.dumps({"keys": KEYS}))
     stack = Stack(default_cache_dir(), folder / "serve.log",
                   ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
                    "--prefill-workers", "2", "--decode-workers", "1", "--api-keys", str(keys),
-                   "--allow-policy-override"])
+                   "--allow-policy-override", "--log-dir", str(folder / "workers")])
     try:
         stack.wait_healthy(900)
         yield stack
@@ -100,3 +110,131 @@ def test_policy_override_header(stack):
                                                                   "X-KVRoute-Policy": "fastest"},
                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-KVRoute-Policy"
+
+
+# ---------------------------------------------------------------- tenant timing
+
+# Each word is one token with its leading space, so every notebook is the same length.
+WORDS = ("apple river stone cloud garden window silver forest candle bridge market winter summer ocean "
+         "mountain paper engine rabbit pencil mirror castle harbor lantern meadow valley thunder orange "
+         "violet copper marble basket blanket button cotton dragon feather island jungle kettle ladder "
+         "magnet needle orchard parrot puzzle rocket saddle tiger tunnel wagon walnut yellow zebra anchor "
+         "barrel cabin desert falcon glacier hammer jacket lemon monkey planet").split()
+NOTEBOOK_WORDS = 1700  # ~1.7k prompt tokens: prefill dominates the TTFT of a cold prompt
+TIMING_ROUNDS = 6  # one round per order of the three measurements
+KINDS = ("b_on_a_prefix", "a_warm", "cold")
+
+
+def notebook(tag: str, seed: int) -> str:
+    rng = random.Random(seed)
+    return f"Notebook {tag}. " + " ".join(rng.choice(WORDS) for _ in range(NOTEBOOK_WORDS))
+
+
+@dataclass
+class Sample:
+    kind: str
+    round: int
+    ttft: float  # client side: request sent to the first chunk with content
+    prompt_tokens: int
+    cached_tokens: int
+
+    def __str__(self) -> str:
+        return (f"round {self.round} {self.kind:>13}: ttft {self.ttft * 1000:7.1f} ms, prompt "
+                f"{self.prompt_tokens}, cached {self.cached_tokens}")
+
+
+def streamed(stack: Stack, key: str, system: str, question: str, kind: str = "", round: int = -1) -> Sample:
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    ttft, usage = None, None
+    start = time.perf_counter()
+    with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if ttft is None and any(choice["delta"].get("content") for choice in chunk["choices"]):
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    assert ttft is not None and usage is not None, "no content or no usage in the stream"
+    return Sample(kind, round, ttft, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_another_tenants_cached_prefix_is_as_slow_as_a_cold_prompt(stack):
+    """Tenant B on a prefix tenant A has cached takes as long as a cold prompt of the same
+    length (B learns nothing from timing), while A's own repeat is at least 2x faster.
+    The three measurements are interleaved, each round in another order, so drifting
+    machine load falls on all of them alike."""
+    a, b = "sk-tenant-a", "sk-tenant-b"
+    question, other_question = "Which word comes first?", "Which word comes last?"
+    samples: dict[str, list[Sample]] = {kind: [] for kind in KINDS}
+    orders = list(itertools.permutations(KINDS))
+    for round in range(TIMING_ROUNDS):
+        prefix, cold_prefix = notebook(f"A{round:02d}", 2 * round), notebook(f"C{round:02d}", 2 * round + 1)
+        streamed(stack, a, prefix, question)  # tenant A caches the prefix
+        time.sleep(0.5)  # its KV events reach the index, so A's repeat is placed where it is resident
+        requests = {"b_on_a_prefix": (b, prefix, question), "a_warm": (a, prefix, other_question),
+                    "cold": (b, cold_prefix, question)}
+        for kind in orders[round % len(orders)]:
+            samples[kind].append(streamed(stack, *requests[kind], kind=kind, round=round))
+
+    median = {kind: statistics.median(s.ttft for s in samples[kind]) for kind in KINDS}
+    report = "\n".join(str(s) for kind in KINDS for s in samples[kind]) + "\nmedians: " + ", ".join(
+        f"{kind} {seconds * 1000:.1f} ms" for kind, seconds in median.items())
+    print(report)
+    assert all(s.cached_tokens == 0 for s in samples["b_on_a_prefix"] + samples["cold"]), report
+    assert all(s.cached_tokens > 0 for s in samples["a_warm"]), report
+    assert len({s.prompt_tokens for s in samples["b_on_a_prefix"] + samples["cold"]}) == 1, report
+    assert abs(median["b_on_a_prefix"] / median["cold"] - 1) <= 0.15, report
+    assert median["a_warm"] <= 0.5 * median["cold"], report
+
+
+# ---------------------------------------------------------------- nothing secret in the logs
+
+SECRET_PROMPT = "Quillfeather the aardvark recites zygomorphic limericks to Brontide Vasquillo"
+SECRET_USER = "user-Hollowmere-5521"
+WRONG_KEY = "sk-wrong-Jt4Pw8Rk3Ln"
+
+
+def test_logs_hold_no_api_key_and_no_prompt(stack):
+    """Requests with a distinctive key and prompt (good, bad key, malformed, too long),
+    then the orchestrator's and every worker's log (engines included) are searched for
+    the key, the prompt text, the user field and the prompt's token ids."""
+    chat = {"model": MODEL, "max_tokens": 4, "temperature": 0, "user": SECRET_USER,
+            "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    url, good = stack.url + "/v1/chat/completions", {"Authorization": f"Bearer {AUDIT_KEY}"}
+    served = httpx.post(url, json=chat, headers=good, timeout=120)
+    assert served.status_code == 200, served.text
+    with httpx.stream("POST", url, json={**chat, "stream": True}, headers=good, timeout=120) as response:
+        assert response.status_code == 200 and "[DONE]" in response.read().decode()
+    text = httpx.post(stack.url + "/v1/completions", headers=good, timeout=120,
+                      json={"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 4, "stop": ["zygomorphic"]})
+    assert text.status_code == 200, text.text
+    refused = [
+        (401, {"Authorization": f"Bearer {WRONG_KEY}"}, json.dumps(chat)),
+        (401, {"Authorization": AUDIT_KEY}, json.dumps(chat)),  # the key without "Bearer"
+        (400, good, json.dumps(chat)[:-5]),  # not valid JSON
+        (400, good, json.dumps({**chat, "logprobs": True})),  # unsupported parameter
+        (400, good, json.dumps({**chat, "messages": [{"role": "user", "content": SECRET_PROMPT * 400}]})),
+        (400, good, json.dumps({**chat, "messages": SECRET_PROMPT})),  # wrong type
+        (404, good, json.dumps({**chat, "model": SECRET_PROMPT})),
+    ]
+    for status, headers, content in refused:
+        reply = httpx.post(url, content=content, timeout=60, headers={**headers, "content-type": "application/json"})
+        assert reply.status_code == status, (status, reply.text)
+        assert AUDIT_KEY not in reply.text and WRONG_KEY not in reply.text
+
+    time.sleep(1)  # the workers' engines log on their own schedule
+    worker_logs = sorted((stack.log_path.parent / "workers").glob("*.log"))
+    assert len(worker_logs) == 3  # two prefill workers, one decode worker
+    logs = {path.name: path.read_text(errors="replace") for path in [stack.log_path, *worker_logs]}
+    assert served.json()["id"] in logs["serve.log"]  # the request was logged, by its id
+    token_run = TextCodec(resolve_model(None)).encode_text(" " + SECRET_PROMPT)[2:-2]
+    assert len(token_run) >= 5
+    secrets = [AUDIT_KEY, WRONG_KEY, SECRET_PROMPT, SECRET_USER, "Quillfeather", "zygomorphic",
+               ", ".join(map(str, token_run)), " ".join(map(str, token_run))]
+    leaks = [(name, secret) for name, log in logs.items() for secret in secrets if secret in log]
+    assert not leaks, f"secrets found in the logs: {leaks}"

@@ -251,3 +251,19 @@ def test_release_all_covers_every_state():
     table.finish_staging("staging", staged_layers(4))
     assert table.take_ended_request_ids() == {"req-2"}
     assert table.staged_bytes == 0 and len(table) == 0
+
+
+def test_expired_handles_are_remembered_and_released_ones_are_not(monkeypatch):
+    monkeypatch.setattr("transfer.leases.REMEMBERED_EXPIRED_HANDLES", 2)
+    table = LeaseTable()
+    for handle in ("old", "mid", "new"):
+        table.grant(lease(handle, expires_at=1.0))
+    table.grant(lease("released", expires_at=1.0))
+    assert table.release("released")
+    assert not table.has_expired("old")  # live until it expires
+    table.expire(now=1.0)
+    # The most recent few are remembered; which of a batch counts as most recent is not pinned.
+    assert sum(table.has_expired(h) for h in ("old", "mid", "new")) == 2
+    assert not table.has_expired("released") and not table.has_expired("never-granted")
+    table.take_ended_request_ids()
+    assert_nothing_left_behind(table)

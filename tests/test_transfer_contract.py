@@ -270,13 +270,29 @@ def test_out_of_range_indices_are_refused(producer, consumer, context, indices):
     assert producer.counters.snapshot().bytes_sent == 0
 
 
-def test_expired_lease_is_refused(producer, consumer, context):
+def test_expired_lease_is_refused_at_once(producer, consumer, context):
     lease, source = producer.lease((4, 5))
     assert producer.leases.expire(now=lease.expires_at) == [lease]
-    with pytest.raises(PullFailed, match="unknown or expired"):
+    started = time.monotonic()
+    with pytest.raises(PullFailed, match="expired before this pull"):
         pull_into(context, consumer, source, [0, 1], [0, 1])
+    assert time.monotonic() - started < PARK_SECONDS, "an expired handle was parked like an unknown one"
     assert producer.leases.take_ended_request_ids() == {lease.request_id}
     assert_untouched(consumer)
+
+
+def test_the_server_expires_leases_on_its_own_clock(producer, context):
+    """No engine step is needed: an idle engine never steps, and a staged lease lets it idle."""
+    handle = secrets.token_hex(16)
+    producer.leases.grant(Lease(handle=handle, request_id="req-due", block_ids=(1,), num_tokens=BLOCK_SIZE,
+                                expires_at=time.monotonic() + 0.2))
+    deadline = time.monotonic() + 3
+    while producer.leases.get(handle) is not None:
+        assert time.monotonic() < deadline, "the server never expired a lease that was due"
+        time.sleep(0.02)
+    assert producer.leases.take_ended_request_ids() == {"req-due"}
+    counters = fetch_transfer_stats(context, producer.address).counters
+    assert counters.leases_expired == 1 and counters.active_leases == 0
 
 
 # ---------------------------------------------------------------- release and stats

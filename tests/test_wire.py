@@ -72,7 +72,7 @@ GENERATE_CHUNK_HEX = (
 
 HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
                            load=wire.WorkerLoad(num_running=1, block_size=16), sent_at=1.5)
-HEARTBEAT_HEX = (
+HEARTBEAT_V1_HEX = (  # before ``draining`` was appended
     "89"
     "a474797065" "a9686561727462656174"  # type: "heartbeat"
     "a9776f726b65725f6964" "a27730"  # worker_id: "w0"
@@ -90,6 +90,10 @@ HEARTBEAT_HEX = (
     "a773656e745f6174" "cb3ff8000000000000"  # sent_at: 1.5
     "b16b765f6576656e74735f61646472657373" "a0"  # kv_events_address: ""
     "b16d6f64656c5f66696e6765727072696e74" "a0"  # model_fingerprint: ""
+)
+HEARTBEAT_HEX = (
+    "8a" + HEARTBEAT_V1_HEX[2:]
+    + "a8647261696e696e67" "c2"  # draining: false
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -172,8 +176,10 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
     assert decoded == message
 
 
-def test_payload_from_before_an_appended_field_still_decodes():
-    assert wire.decode(bytes.fromhex(GENERATE_CHUNK_V1_HEX)) == GENERATE_CHUNK
+@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK),
+                                              (HEARTBEAT_V1_HEX, HEARTBEAT)], ids=["GenerateChunk", "Heartbeat"])
+def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
+    assert wire.decode(bytes.fromhex(old_hex)) == message
 
 
 @pytest.mark.parametrize("message, golden_hex", GOLDEN)

@@ -12,7 +12,12 @@ Protocol over one ROUTER socket (client: a DEALER)::
 
 A pull may arrive before the engine has granted its lease (grants reach this process
 one engine step after the request finished), so unknown handles are parked briefly
-before being refused.
+before being refused; a handle whose lease expired is refused at once.
+
+The server thread is also the one place leases expire. An idle engine does not step
+(and a staged lease lets it go idle at once), so expiry cannot wait for the engine. And
+since releases arrive here too, every lease ends on this thread, never while it is
+sending that lease's blocks.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class BlockServer:
     """Owns its socket and send buffers; reads ``cache`` only through leased blocks."""
 
     POLL_MS = 5
+    EXPIRY_INTERVAL_SECONDS = 0.1
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
                  counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None,
@@ -80,11 +86,20 @@ class BlockServer:
             pin_current_thread(self._cpus)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        next_expiry = 0.0
         while not self._stopping.is_set():
             if poller.poll(self.POLL_MS):
                 identity, *frames = self._socket.recv_multipart()
                 self._handle(identity, frames)
-            self._retry_parked(time.monotonic())
+            now = time.monotonic()
+            if now >= next_expiry:
+                self._expire_leases(now)
+                next_expiry = now + self.EXPIRY_INTERVAL_SECONDS
+            self._retry_parked(now)
+
+    def _expire_leases(self, now: float) -> None:
+        for lease in self.leases.expire(now):
+            logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -128,6 +143,9 @@ class BlockServer:
                                       leases_staged=leases.num_staged, staged_bytes=leases.staged_bytes)
 
     def _start_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
+        if self.leases.has_expired(request.handle):
+            self._refuse(identity, "lease expired before this pull; its blocks are freed")
+            return
         if self.leases.get(request.handle) is None:
             self._parked.append(_ParkedPull(identity, request, time.monotonic() + self.park_seconds))
             return

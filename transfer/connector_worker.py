@@ -1,11 +1,12 @@
 """The worker half of the kvroute connector (runs in vLLM's model-worker process).
 
-It owns the transfer endpoint (``BlockServer``) beside the KV cache, the lease table
-of a producer (leases are staged to host buffers when the budget allows, so the engine
-frees its blocks at once; see ``transfer.leases``), and the pulls of a consumer. Pulls
-run on a small thread pool and write only into blocks vLLM allocated for them; vLLM
-does not read those blocks until the pull is reported finished. A failed pull is reported as failed, and vLLM
-(``kv_load_failure_policy="recompute"``) computes the prompt locally instead.
+It owns the transfer endpoint (``BlockServer``, whose thread also expires leases) beside
+the KV cache, the lease table of a producer (leases are staged to host buffers when the
+budget allows, so the engine frees its blocks at once; see ``transfer.leases``), and the
+pulls of a consumer. Pulls run on a small thread pool and write only into blocks vLLM
+allocated for them; vLLM does not read those blocks until the pull is reported finished.
+A failed pull is reported as failed, and vLLM (``kv_load_failure_policy="recompute"``)
+computes the prompt locally instead.
 """
 
 from __future__ import annotations
@@ -115,8 +116,6 @@ class ConnectorWorker:
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
         self._wait_while_only_polling()
-        for lease in self.leases.expire(time.monotonic()):
-            logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
         finished_sending = self.leases.take_ended_request_ids()
         with self._lock:
             finished, self._finished_loads = self._finished_loads, set()

@@ -19,7 +19,9 @@ Every request id is reported exactly once, and never while a staging copy still 
 its blocks: a lease released mid-copy is reported when the copy finishes.
 
 A lease is servable only IN PLACE or STAGED; a pull for a lease still STAGING waits
-(the block server parks it). Time is passed in; the table holds no clock.
+(the block server parks it). The handles of the most recent expired leases are
+remembered, so a pull that comes too late is refused at once instead of waiting for a
+grant that will never come. Time is passed in; the table holds no clock.
 Thread-safe: the block server thread, the pull threads and the engine's step thread
 all use it.
 """
@@ -27,9 +29,12 @@ all use it.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
+
+REMEMBERED_EXPIRED_HANDLES = 4096  # ~150 KB; a late pull comes seconds after expiry, not 4096 leases later
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class LeaseTable:
         self._staging: set[str] = set()  # handles whose copy is running
         self._ending: dict[str, tuple[str, int]] = {}  # ended while staging: (request id, bytes)
         self._ended_request_ids: set[str] = set()
+        self._expired_handles: OrderedDict[str, None] = OrderedDict()  # most recent last
         self._lock = threading.Lock()
         self.num_granted = 0
         self.num_released = 0
@@ -119,8 +125,16 @@ class LeaseTable:
             for lease in expired:
                 del self._leases[lease.handle]
                 self._end(lease)
+                self._expired_handles[lease.handle] = None
+            while len(self._expired_handles) > REMEMBERED_EXPIRED_HANDLES:
+                self._expired_handles.popitem(last=False)
             self.num_expired += len(expired)
             return expired
+
+    def has_expired(self, handle: str) -> bool:
+        """Whether ``handle`` named one of the most recent leases that expired unpulled."""
+        with self._lock:
+            return handle in self._expired_handles
 
     def _end(self, lease: Lease) -> None:
         """Caller holds the lock and has removed the lease."""

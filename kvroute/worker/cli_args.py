@@ -38,6 +38,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "them at once; 0 holds them in the engine (default: %(default)s)")
     parser.add_argument("--pull-timeout-seconds", type=float, default=defaults.pull_timeout_seconds,
                         help="consumer: recompute when a pull takes longer (default: %(default)s)")
+    parser.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds,
+                        help="on SIGTERM, refuse new requests and wait this long at most for running ones "
+                             "and held leases to end; a second SIGTERM or SIGINT stops at once "
+                             "(default: %(default)s)")
     parser.add_argument("--long-prefill-tokens", type=int, default=None,
                         help="most prompt tokens one request computes per engine step while others wait; "
                              "0: no cap (default: 256 on decode workers, so a local prefill cannot hold "
@@ -63,7 +67,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         heartbeat_seconds=args.heartbeat_seconds,
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
         lease_staging_gib=args.lease_staging_gib,
-        pull_timeout_seconds=args.pull_timeout_seconds, omp_threads_bind=args.omp_threads_bind,
+        pull_timeout_seconds=args.pull_timeout_seconds, drain_seconds=args.drain_seconds,
+        omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens)
 
 

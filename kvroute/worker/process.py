@@ -3,7 +3,9 @@
 Start-up order: pick ports → start the engine (vLLM spawns the engine core and the
 model worker, where the connector's transfer endpoint binds) → read the KV layout
 from the transfer endpoint → serve RPC and heartbeats → announce readiness. SIGTERM
-or SIGINT stops the RPC server, then the engine; nothing is left running.
+drains the worker (``kvroute.worker.drain``): no new requests, the running ones and
+the leases they left end, then it stops; SIGINT, a second SIGTERM or ``drain_seconds``
+stop it at once. Stopping ends the RPC server, then the engine; nothing is left running.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 from pathlib import Path
 
 import zmq
 
 from kvroute import wire
+from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
 from kvroute.worker.engine import KV_EVENTS_TOPIC, start_engine
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
@@ -48,7 +50,7 @@ class Worker:
         self._last_transfer = wire.TransferCounters()
 
     async def run(self) -> None:
-        stop = _stop_event()
+        signals = StopSignals()
         self.engine = start_engine(self.settings, self.stats)
         try:
             tasks = [asyncio.create_task(follow(self.resident, tcp(_local(self.settings.bind_host), self.settings.kv_events_port),
@@ -56,15 +58,14 @@ class Worker:
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
+            heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat)
             tasks += [asyncio.create_task(self.server.serve()),
-                     asyncio.create_task(HeartbeatSender(self.settings.orchestrators, self.heartbeat)
-                                         .run(self.settings.heartbeat_seconds))]
+                      asyncio.create_task(heartbeats.run(self.settings.heartbeat_seconds))]
             self._announce()
-            await _until_stopped_or_failed(stop, tasks)
-            logger.info("worker %s stopping", self.settings.worker_id)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            drain = Drain(self.server, heartbeats, self.settings.drain_seconds, self.leases_settled,
+                          lambda: self.release_leases("drain"))
+            await serve_until_stopped(tasks, signals, drain)
+            logger.info("worker %s stopping its engine", self.settings.worker_id)
         finally:
             self.engine.shutdown()
 
@@ -90,7 +91,8 @@ class Worker:
             block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        return heartbeat_of(self.settings, self.load(), self.fingerprint, now)
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
+                            draining=self.server is not None and self.server.draining)
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)
@@ -104,10 +106,26 @@ class Worker:
             return None
         return records[-1] if records else None
 
+    async def leases_settled(self) -> bool:
+        """Whether every lease this worker handed out has ended (pulled, released, expired).
+        A grant reaches the connector one engine step after its pull source went out, so
+        a count of held leases alone could miss one still on its way."""
+        sent = self.server.num_pull_sources_sent
+        if sent == 0:
+            return True
+        try:
+            counters = (await self._transfer_stats()).counters
+        except PullFailed:
+            return False  # ask again; the drain's deadline bounds the wait
+        return counters.leases_granted >= sent and counters.active_leases == 0
+
+    async def release_leases(self, reason: str) -> int:
+        return await asyncio.to_thread(release_all_leases, zmq.Context.instance(),
+                                       self.settings.transfer_address, reason)
+
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
         """Release leases, then reset the prefix cache once vLLM has freed their blocks."""
-        released = await asyncio.to_thread(release_all_leases, zmq.Context.instance(),
-                                           self.settings.transfer_address)
+        released = await self.release_leases("reset")
         for _ in range(RESET_ATTEMPTS):
             if await self.engine.reset_prefix_cache():
                 logger.info("prefix cache reset (%d leases released)", released)
@@ -143,27 +161,9 @@ class Worker:
             tmp.replace(self.ready_file)
 
 
-async def _until_stopped_or_failed(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
-    """Return on a stop signal, or raise if a serving task died on its own."""
-    stop_waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([stop_waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    stop_waiter.cancel()
-    for task in done:
-        if task is not stop_waiter:
-            raise RuntimeError(f"worker task {task.get_coro().__name__} ended unexpectedly") from task.exception()
-
-
 def _local(bind_host: str) -> str:
     """An address on this host that reaches a socket bound to ``bind_host``."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "*") else bind_host
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None:

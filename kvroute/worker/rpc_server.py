@@ -3,6 +3,8 @@
 Each ``GenerateRequest`` becomes an asyncio task that streams ``GenerateChunk``s to
 the caller's identity until vLLM finishes the request; ``AbortRequest`` cancels it.
 Malformed frames get an ``ErrorReply``; nothing a client sends stops the server.
+Once draining (``start_draining``), a new generate is refused with code ``draining``,
+so the caller places it on another worker; the ones running carry on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from kvroute.netutil import async_context
 from kvroute.worker.generation import engine_prompt, sampling_params, to_chunk
 
 logger = logging.getLogger("kvroute.worker.rpc")
+
+DRAINING = "draining"  # the error code of a generate refused because the worker is stopping
 
 StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
 SnapshotProvider = Callable[[str], wire.KVSnapshot]
@@ -43,10 +47,23 @@ class RpcServer:
         self._tasks: dict[str, asyncio.Task] = {}
         self._queries: set[asyncio.Task] = set()  # stats, snapshot and reset answers in progress
         self.prompt_tokens_waiting: dict[str, int] = {}  # accepted, no output yet
+        self.draining = False
+        # Pull sources handed to callers, each naming a lease the connector grants: a
+        # draining producer compares this with the grants to know none is still on its way.
+        self.num_pull_sources_sent = 0
+        self._idle = asyncio.Event()  # set while no generate runs
+        self._idle.set()
 
     @property
     def num_active_requests(self) -> int:
         return len(self._tasks)
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self) -> None:
+        """Until no generate runs (right away when none does)."""
+        await self._idle.wait()
 
     async def serve(self) -> None:
         try:
@@ -108,21 +125,34 @@ class RpcServer:
         task.add_done_callback(self._queries.discard)
 
     def _start_generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            asyncio.ensure_future(self._send(identity, refusal))
+            return
+        task = asyncio.create_task(self._generate(identity, request))
+        self._tasks[request.request_id] = task
+        self._idle.clear()
+        task.add_done_callback(lambda _: self._forget(request.request_id, task))
+
+    def _refusal(self, request: wire.GenerateRequest) -> wire.ErrorReply | None:
+        """Why ``request`` does not start here, or None. An invalid request is refused as
+        such even while draining: another worker would refuse it too."""
         problem = validate(request)
         if problem is None and request.request_id in self._tasks:
             problem = f"request id {request.request_id!r} is already running"
         if problem is not None:
-            asyncio.ensure_future(self._send(identity, wire.ErrorReply(
-                request_id=request.request_id, code="invalid_request", message=problem)))
-            return
-        task = asyncio.create_task(self._generate(identity, request))
-        self._tasks[request.request_id] = task
-        task.add_done_callback(lambda _: self._forget(request.request_id, task))
+            return wire.ErrorReply(request_id=request.request_id, code="invalid_request", message=problem)
+        if self.draining:
+            return wire.ErrorReply(request_id=request.request_id, code=DRAINING,
+                                   message="this worker is stopping and takes no new requests")
+        return None
 
     def _forget(self, request_id: str, task: asyncio.Task) -> None:
         if self._tasks.get(request_id) is task:
             del self._tasks[request_id]
         self.prompt_tokens_waiting.pop(request_id, None)
+        if not self._tasks:
+            self._idle.set()
 
     async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         request_id = request.request_id
@@ -133,6 +163,8 @@ class RpcServer:
             async for output in stream:
                 self.prompt_tokens_waiting.pop(request_id, None)
                 chunk = to_chunk(request_id, output)
+                if chunk.pull_source is not None:
+                    self.num_pull_sources_sent += 1
                 if first and request.pull_from is not None:
                     chunk.transfer = await self._transfer_of(request_id)
                 first = False

@@ -32,6 +32,9 @@ class WorkerSettings:
     lease_seconds: float = 30.0
     lease_staging_gib: float = 1.0  # host copies of leased blocks; 0: hold them in the engine
     pull_timeout_seconds: float = 10.0
+    # SIGTERM drains the worker (kvroute.worker.drain): the longest it then waits for its
+    # requests and leases to end before it stops anyway.
+    drain_seconds: float = 30.0
     enforce_eager: bool = True
     seed: int = 0
     # Most prompt tokens one request may compute per engine step while others wait; None:
@@ -50,6 +53,8 @@ class WorkerSettings:
             raise ValueError("long_prefill_tokens must not be negative")
         if self.lease_staging_gib < 0:
             raise ValueError("lease_staging_gib must not be negative")
+        if self.drain_seconds < 0:
+            raise ValueError("drain_seconds must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
 
     @property

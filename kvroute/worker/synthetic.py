@@ -12,7 +12,10 @@ it, as a real consumer would after a failed pull.
 Usage::
 
     python -m kvroute.worker.synthetic --role prefill --model DIR --orchestrator tcp://HOST:PORT
-        [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--ready-file PATH]
+        [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--drain-seconds 30]
+        [--ready-file PATH]
+
+SIGTERM drains it as it drains a real worker (``kvroute.worker.drain``); SIGINT stops it.
 
 Failure injection, for fault tests: SIGUSR1 toggles failing. While failing, the worker
 stays registered and heartbeating but answers every generate with an engine error, as
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import signal
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from kvroute import wire
 from kvroute.model_prep import model_fingerprint
+from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.resident import ResidentBlocks
 from kvroute.worker.rpc_server import RpcServer
@@ -130,7 +135,8 @@ class SyntheticWorker:
                                block_size=BLOCK_SIZE, bytes_per_block=BYTES_PER_BLOCK)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        return heartbeat_of(self.settings, self.load(), self.fingerprint, now)
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
+                            draining=self.server is not None and self.server.draining)
 
     async def stats(self) -> wire.WorkerStats:
         s = self.settings
@@ -146,24 +152,20 @@ class SyntheticWorker:
         return None
 
     async def run(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGUSR1, self.engine.toggle_failing)
+        signals = StopSignals()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.engine.toggle_failing)
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
                                 self.reset_cache, self.transfer_of)
+        heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat)
         tasks = [asyncio.create_task(self.server.serve()),
-                 asyncio.create_task(HeartbeatSender(s.orchestrators, self.heartbeat).run(s.heartbeat_seconds))]
+                 asyncio.create_task(heartbeats.run(s.heartbeat_seconds))]
         logger.info("synthetic %s worker %s at %s", s.role, s.worker_id, s.rpc_address)
         if self.ready_file is not None:
             self.ready_file.write_text(s.rpc_address)
-        await stop.wait()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Its pull sources name leases nobody holds: nothing to wait for beyond its requests.
+        await serve_until_stopped(tasks, signals, Drain(self.server, heartbeats, s.drain_seconds))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker-id", default="", help="default: role and a random suffix")
     parser.add_argument("--prefill-seconds-per-token", type=float, default=SyntheticTiming.prefill_seconds_per_token)
     parser.add_argument("--token-seconds", type=float, default=SyntheticTiming.token_seconds)
+    parser.add_argument("--drain-seconds", type=float, default=WorkerSettings.drain_seconds,
+                        help="on SIGTERM, wait this long at most for running requests (default: %(default)s)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
     return parser.parse_args(argv)
 
@@ -182,10 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
-                              worker_id=args.worker_id)
+                              worker_id=args.worker_id, drain_seconds=args.drain_seconds)
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)
     asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
 
 
 if __name__ == "__main__":
     main()
+    # Stopped cleanly: skip the interpreter's teardown. Collecting the modules vLLM and torch
+    # bring in (for SamplingParams) takes seconds of CPU, which would stand between a
+    # drained worker and its exit, and every fault test's teardown.
+    logging.shutdown()
+    os._exit(0)
