@@ -84,7 +84,8 @@ class SyntheticStack:
     Worker ids are role-index (``decode-1``); ``worker_processes`` maps them to processes."""
 
     def __init__(self, model: str, log_path: Path, extra_args: list[str], token_seconds: float,
-                 roles: tuple[str, ...] = ("prefill", "decode")):
+                 roles: tuple[str, ...] = ("prefill", "decode"), worker_args: tuple[str, ...] = ()):
+        """``extra_args`` go to the orchestrator, ``worker_args`` to every worker."""
         self.port, registry_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -93,7 +94,8 @@ class SyntheticStack:
         registry = f"tcp://127.0.0.1:{registry_port}"
         worker_ids = [f"{role}-{roles[:i].count(role)}" for i, role in enumerate(roles)]
         workers = [[sys.executable, "-m", "kvroute.worker.synthetic", "--role", role, "--model", model,
-                    "--worker-id", worker_id, "--orchestrator", registry, "--token-seconds", str(token_seconds)]
+                    "--worker-id", worker_id, "--orchestrator", registry, "--token-seconds", str(token_seconds),
+                    *worker_args]
                    for role, worker_id in zip(roles, worker_ids)]
         with open(log_path, "wb") as log:
             self.processes = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -129,9 +131,10 @@ class SyntheticStack:
 
 @contextmanager
 def running_synthetic_stack(model: str, log_path: Path, extra_args: list[str], token_seconds: float,
-                            roles: tuple[str, ...]) -> Iterator[SyntheticStack]:
+                            roles: tuple[str, ...], worker_args: tuple[str, ...] = ()) -> Iterator[SyntheticStack]:
     """A ``SyntheticStack`` that is healthy with every worker registered; stopped on exit."""
-    stack = SyntheticStack(model, log_path, extra_args, token_seconds=token_seconds, roles=roles)
+    stack = SyntheticStack(model, log_path, extra_args, token_seconds=token_seconds, roles=roles,
+                           worker_args=worker_args)
     try:
         stack.wait_healthy(300)
         stack.wait_workers(len(roles), 120)

@@ -43,6 +43,9 @@ class RpcServer:
         self._context = async_context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A reply to a caller whose connection is gone fails instead of vanishing, so a
+        # request of an orchestrator that died is aborted, not run to max_tokens for nobody.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.bind(bind_address)
         self._tasks: dict[str, asyncio.Task] = {}
         self._queries: set[asyncio.Task] = set()  # stats, snapshot and reset answers in progress
@@ -168,7 +171,10 @@ class RpcServer:
                 if first and request.pull_from is not None:
                     chunk.transfer = await self._transfer_of(request_id)
                 first = False
-                await self._send(identity, chunk)
+                if not await self._send(identity, chunk):
+                    logger.info("request %s: its caller is gone; aborting it", request_id)
+                    await self.engine.abort(request_id)
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as error:  # an engine error fails this request, not the worker
@@ -184,8 +190,15 @@ class RpcServer:
         task.cancel()
         logger.info("aborted request %s", request_id)
 
-    async def _send(self, identity: bytes, message: wire._Message) -> None:
-        await self._socket.send_multipart([identity, wire.encode(message)])
+    async def _send(self, identity: bytes, message: wire._Message) -> bool:
+        """False when the caller's connection is gone (nobody is left to read the message)."""
+        try:
+            await self._socket.send_multipart([identity, wire.encode(message)])
+        except zmq.ZMQError as error:
+            if error.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
 
 def validate(request: wire.GenerateRequest) -> str | None:
