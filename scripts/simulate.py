@@ -13,6 +13,8 @@ scaled by ``--block-tokens`` (64) and ``--time-scale`` (1.0), first ``--limit`` 
 or ``--workload NAME``, a seeded generator of ``kvroute.bench.workloads`` (``--requests``,
 ``--rate``, and ``--workload-options KEY=VALUE,...`` for any field of its config). Cost curves:
 ``--calibration FILE`` (JSON of ``SimCalibration`` fields), else the documented defaults.
+``--cores N``: the engines share N CPU cores, bound as ``kvroute serve`` binds them
+(engine i on core i % N; ``simulator.cpu``); default 0, none shared.
 
 Output: ``DIR/results.json`` (settings, oracle, per-policy summaries and, unless
 ``--no-records``, per-request records).
@@ -43,7 +45,7 @@ from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds  #
 from kvroute.bench.trace import ScaledTrace, TraceScaling, load_trace  # noqa: E402
 from kvroute.bench.workloads import GENERATORS, generate_named, parse_options  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
-from simulator import EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
+from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.requests import replay_requests  # noqa: E402
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, default=EngineConfig().num_blocks, help="KV blocks per worker")
     parser.add_argument("--block-size", type=int, default=EngineConfig().block_size)
     parser.add_argument("--calibration", type=Path, help="JSON of SimCalibration fields")
+    parser.add_argument("--cores", type=int, default=0,
+                        help="CPU cores the engines share, engine i bound to core i %% N (default: 0, none shared)")
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     source = load_requests(args)
     calibration = SimCalibration.from_json(args.calibration) if args.calibration else SimCalibration()
     engine = EngineConfig(num_blocks=args.kv_blocks, block_size=args.block_size)
-    settings = SimulationSettings(prefill_engine=engine, decode_engine=engine)
+    settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores))
     oracle = bounds(source, args)
     results = []
     for policy in args.policies.split(","):

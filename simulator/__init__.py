@@ -3,14 +3,16 @@
 N prefill and M decode workers behave like vLLM engines (``engine``: block prefix cache
 with LRU eviction, chunked prefill, continuous-batching decode, KV capacity); KV moves
 between them over links (``links``); step and transfer times come from a calibration
-(``calibration``). Every placement is made by the orchestrator's own policies, from the
-same ``WorkerView``s and ``PrefixIndex`` the service builds (``fleet``, ``loop``).
+(``calibration``, fitted from a real run by ``from_replay``), stretched where engines
+share CPU cores (``cpu``). Every placement is made by the orchestrator's own policies,
+from the same ``WorkerView``s and ``PrefixIndex`` the service builds (``fleet``, ``loop``).
 ``simulate()`` runs one policy over a trace or workload and returns per-request records
 and a summary.
 """
 
 from simulator.calibration import SimCalibration
+from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
 from simulator.simulate import SimulationResult, SimulationSettings, simulate
 
-__all__ = ["EngineConfig", "SimCalibration", "SimulationResult", "SimulationSettings", "simulate"]
+__all__ = ["CpuSettings", "EngineConfig", "SimCalibration", "SimulationResult", "SimulationSettings", "simulate"]

@@ -14,14 +14,16 @@ Like vLLM v1's scheduler, every step gets a token budget and spends it on
 A request whose prompt KV comes from a prefill worker (``remote``) is admitted by
 allocating blocks for its prompt and the prefill worker's token, minus what the local
 cache already holds; its pull then runs outside the engine (``Admission.pulls``), and
-once ``pull_done`` it decodes like any other. A request ends when it has ``max_tokens``.
+once ``pull_done`` it decodes like any other (after ``pull_failed`` it is prefilled
+here). A request ends when it has ``max_tokens``.
 
 ::
 
     submit ─▶ WAITING ─admit─▶ RUNNING (prefill chunks → decode tokens) ─▶ FINISHED
-                 │  ▲                 │
-      remote:    │  └──── preempted ──┘
-                 └─▶ PULLING ─pull_done─▶ READY ─admit─▶ RUNNING
+                 │  ▲  ▲              │
+                 │  │  └─ preempted ──┘
+      remote:    │  └─ pull_failed ─┐
+                 └─▶ PULLING ───────┴─pull_done─▶ READY ─admit─▶ RUNNING
 
 **Decode runs.** A step that only decodes, and admitted nothing, is followed by the
 same step until the first request finishes, since nothing can enter a step the engine
@@ -58,6 +60,11 @@ class EngineConfig:
     # Schedule identical decode-only steps as one run (see the module docstring). The
     # state at every step boundary is the same either way; False steps one by one.
     decode_runs: bool = True
+    # A DISAGG prefill's blocks stay allocated until the end of the engine's next step, as
+    # vLLM frees a KV connector's delayed blocks only once the worker reports them sent
+    # (kvroute stages them to host memory meanwhile); an engine with nothing else to do
+    # frees them at once (it steps idly until then). False: freed when the request ends.
+    hold_sent_blocks: bool = False
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -76,6 +83,7 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.num_queued_prompt_tokens = 0  # prompts of requests submitted with no output here yet
         self.num_preemptions = 0
+        self._held: list[list[BlockHash | None]] = []  # block tables of sent prefills (hold_sent_blocks)
 
     # ------------------------------------------------------------ between steps
 
@@ -90,6 +98,15 @@ class Engine:
         request.state = RequestState.READY
         self._register_full_blocks(request)
 
+    def pull_failed(self, request: EngineRequest) -> None:
+        """The prefill worker refused the pull: kvroute's connector then recomputes the
+        prompt here, from this engine's own cache. The request keeps its place in the queue."""
+        assert request.state is RequestState.PULLING, request.state
+        self._release(request)
+        request.num_computed = request.num_registered = 0
+        request.remote = False
+        request.state = RequestState.WAITING
+
     @property
     def empty(self) -> bool:
         return not self.running and not self.waiting
@@ -97,6 +114,13 @@ class Engine:
     # ------------------------------------------------------------ scheduling
 
     def schedule(self) -> Admission:
+        step = self._schedule()
+        if self._held and not step.work and not step.pulls:
+            self._free_held()  # an idle step: the worker reports the sends, vLLM frees their blocks
+            step = self._schedule()
+        return step
+
+    def _schedule(self) -> Admission:
         step = Admission()
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
@@ -215,6 +239,7 @@ class Engine:
     def complete(self, step: Admission, started_at: float, step_seconds: float) -> list[Produced]:
         """Apply ``step.repeat`` steps of ``step_seconds`` each that began at ``started_at``."""
         produced: list[Produced] = []
+        self._free_held()  # held since an earlier step; this step's report says they were sent
         if step.repeat > 1:  # a decode run's blocks, all before anyone finishes, as step by step
             for request, _ in step.work:
                 self._allocate(request, ceil_div(request.num_computed + step.repeat, self.config.block_size)
@@ -271,8 +296,17 @@ class Engine:
 
     def _finish(self, request: EngineRequest) -> None:
         self.running.remove(request)
-        self._release(request)
+        if request.hold_blocks and self.config.hold_sent_blocks:
+            self._held.append(request.blocks)
+            request.blocks = []
+        else:
+            self._release(request)
         request.state = RequestState.FINISHED
+
+    def _free_held(self) -> None:
+        for blocks in self._held:
+            self.pool.release(blocks)
+        self._held = []
 
     def _preempt(self, request: EngineRequest) -> None:
         """Recompute preemption: drop its KV, keep its output, queue it first."""

@@ -13,9 +13,14 @@ from what a worker's heartbeat reports (``kvroute.worker.process.WorkerProcess.l
 * ``cached_blocks``: from ``PrefixIndex.match`` over the prompt's chained hashes.
 
 The index is the production one, fed the way vLLM's KV events feed it in service: each
-engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. The views
-are exact at decision time, as if a heartbeat had just arrived from every worker; the
-service's views can be up to a heartbeat old (its load ledger corrects most of that).
+engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. By default
+the views are exact at decision time, as if a heartbeat had just arrived from every
+worker. With ``stats_at_step_end`` they show what vLLM itself reports: its scheduler
+stats (running requests, KV usage) are made once per step, at the step's end, so during
+a long prefill step a worker still reports the state before it (``report``). The
+orchestrator's own bookkeeping stays exact: in-flight and queued requests (the load
+ledger's part), and a decode worker's free blocks, which the ledger corrects for the
+requests it reserved room for. Not modelled: the heartbeat's own delay (up to 1 s).
 
 At 1,000 workers a decision must not rebuild 1,000 views: each worker keeps its view
 until its state changes (``touch``), and only the workers the index matched get a copy
@@ -24,7 +29,7 @@ with their ``cached_blocks``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from orchestrator.index import PrefixIndex
 from orchestrator.planner.views import WorkerView
@@ -34,20 +39,45 @@ from simulator.sequence import Admission
 
 @dataclass
 class ActiveStep:
-    """The step (or decode run) an engine is computing, and which queue entry ends it."""
+    """The step (or decode run) an engine is computing, and which queue entry ends it.
+
+    ``step_seconds`` is one step at full speed. While the engine shares its cores it
+    computes at ``speed`` (``cpu.Cores``): by ``updated_at`` it had done ``work_done``
+    full-speed seconds of the run, and ``reshare`` changes the pace from ``now`` on."""
 
     admission: Admission
     started_at: float
     step_seconds: float
     version: int
+    speed: float = 1.0
+    work_done: float = 0.0
+    updated_at: float = field(init=False)
+    slowed: bool = field(init=False)
+
+    def __post_init__(self):
+        self.updated_at = self.started_at
+        self.slowed = self.speed != 1.0
 
     @property
     def ends_at(self) -> float:
-        return self.started_at + self.admission.repeat * self.step_seconds
+        return self.updated_at + (self.admission.repeat * self.step_seconds - self.work_done) / self.speed
+
+    def progress(self, now: float) -> float:
+        """Full-speed seconds of the run done by ``now``."""
+        return self.work_done + (now - self.updated_at) * self.speed
+
+    def reshare(self, now: float, speed: float) -> None:
+        self.work_done, self.updated_at, self.speed = self.progress(now), now, speed
+        self.slowed = self.slowed or speed != 1.0
+
+    def seconds_per_step(self, now: float) -> float:
+        """Each step's wall time, for a run that ends at ``now``."""
+        return (now - self.started_at) / self.admission.repeat if self.slowed else self.step_seconds
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int):
+    def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int,
+                 stats_at_step_end: bool = False):
         self.worker_id = worker_id
         self.role = role
         self.engine = Engine(config)
@@ -56,19 +86,29 @@ class SimWorker:
         self.active: ActiveStep | None = None
         self.version = 0  # bumped whenever the pending step event is superseded
         self.num_steps = 0
+        self.stats_at_step_end = stats_at_step_end
+        self._reported = (0, config.num_blocks)  # (running, free blocks) at the last step's end
         self._view: WorkerView | None = None
 
     def touch(self) -> None:
         """Its state changed: the next decision needs a fresh view."""
         self._view = None
 
+    def report(self) -> None:
+        """A step ended (or the engine went idle): vLLM makes its scheduler stats now."""
+        self._reported = (len(self.engine.running), self.engine.pool.num_free)
+
     def view(self) -> WorkerView:
         if self._view is None:
             engine, pool = self.engine, self.engine.pool
+            running, free = len(engine.running), pool.num_free
+            if self.stats_at_step_end:
+                running = self._reported[0]
+                free = self._reported[1] if self.role == "prefill" else free  # the ledger's, for decode
             self._view = WorkerView(
-                worker_id=self.worker_id, role=self.role, num_running=len(engine.running),
+                worker_id=self.worker_id, role=self.role, num_running=running,
                 num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.num_queued_prompt_tokens,
-                num_free_blocks=pool.num_free, num_total_blocks=pool.num_total,
+                num_free_blocks=free, num_total_blocks=pool.num_total,
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
                 in_flight=self.in_flight, resident_blocks=pool.num_cached)
         return self._view
@@ -76,7 +116,7 @@ class SimWorker:
 
 class SimFleet:
     def __init__(self, num_prefill: int, num_decode: int, prefill_config: EngineConfig,
-                 decode_config: EngineConfig, bytes_per_token: int):
+                 decode_config: EngineConfig, bytes_per_token: int, stats_at_step_end: bool = False):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("the service needs a live prefill and a live decode worker; so does the simulator")
         if prefill_config.block_size != decode_config.block_size:
@@ -84,10 +124,10 @@ class SimFleet:
         self.block_size = decode_config.block_size
         width = len(str(max(num_prefill, num_decode)))
         self.pools: dict[str, list[SimWorker]] = {
-            "prefill": [SimWorker(f"prefill-{i:0{width}d}", "prefill", prefill_config, bytes_per_token)
-                        for i in range(num_prefill)],
-            "decode": [SimWorker(f"decode-{i:0{width}d}", "decode", decode_config, bytes_per_token)
-                       for i in range(num_decode)]}
+            "prefill": [SimWorker(f"prefill-{i:0{width}d}", "prefill", prefill_config, bytes_per_token,
+                                  stats_at_step_end) for i in range(num_prefill)],
+            "decode": [SimWorker(f"decode-{i:0{width}d}", "decode", decode_config, bytes_per_token,
+                                 stats_at_step_end) for i in range(num_decode)]}
         self.workers = {w.worker_id: w for pool in self.pools.values() for w in pool}
         self._positions = {role: {w.worker_id: i for i, w in enumerate(pool)} for role, pool in self.pools.items()}
         self.index = PrefixIndex()

@@ -14,7 +14,11 @@ feed the same policy objects, a plan's workers count the request in flight until
 ends, and waiting for capacity re-plans as ``admit`` does. Each engine has at most one
 pending step event; when something arrives for an engine in the middle of a decode run,
 the run is cut at the next step boundary and its event rescheduled (the old one is
-recognised as stale by the worker's version).
+recognised as stale by the worker's version). Engines that share CPU cores (``cpu``)
+are retimed the same way whenever one of them starts or ends a step: the step in
+progress keeps the work it has done and goes on at the new pace. A request whose index
+is in ``failed_pulls`` has its pull refused, and its decode worker prefills it again,
+as kvroute's connector does: for replaying the faults of a real run.
 
 Checks that hold by construction and are enforced as the simulation runs: the clock
 never goes backwards (``EventQueue``), no pool ever has more blocks in use than it holds
@@ -34,6 +38,7 @@ from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import Policy
 from orchestrator.planner.views import Decision, PlanKind, RequestView
 from simulator.calibration import SimCalibration
+from simulator.cpu import Cores, CpuSettings
 from simulator.sequence import EngineRequest, Produced, RequestState
 from simulator.events import EventQueue
 from simulator.fleet import ActiveStep, SimFleet, SimWorker
@@ -89,11 +94,14 @@ class Flight:
 
 class Simulation:
     def __init__(self, requests: Sequence[ReplayRequest], policy: Policy, fleet: SimFleet,
-                 calibration: SimCalibration, cost_model: CostModel, admission: AdmissionSettings, seed: int):
+                 calibration: SimCalibration, cost_model: CostModel, admission: AdmissionSettings, seed: int,
+                 cpu: CpuSettings = CpuSettings(), failed_pulls: frozenset[int] = frozenset()):
         self.requests, self.policy, self.fleet = requests, policy, fleet
         self.calibration, self.cost_model, self.admission = calibration, cost_model, admission
         self.clock = EventQueue()
         self.links = Links(calibration)
+        self.cores = Cores(cpu, list(fleet.workers))
+        self.failed_pulls = failed_pulls
         self.flights: dict[str, Flight] = {}
         self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
         self._jitter = random.Random(seed)
@@ -141,7 +149,7 @@ class Simulation:
         local = decision.chosen.kind is PlanKind.LOCAL
         self._submit(self.fleet.workers[flight.prefilling_worker],
                      EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
-                                   max_tokens=flight.request.max_tokens if local else 1))
+                                   max_tokens=flight.request.max_tokens if local else 1, hold_blocks=not local))
         return True
 
     def _retry_later(self, flight: Flight) -> None:
@@ -180,7 +188,7 @@ class Simulation:
             self._start_step(worker)
             return
         active = worker.active
-        steps_begun = math.floor((self.now - active.started_at) / active.step_seconds) + 1
+        steps_begun = math.floor(active.progress(self.now) / active.step_seconds) + 1
         if steps_begun < active.admission.repeat:
             active.admission.cut(steps_begun)
             worker.version += 1
@@ -198,33 +206,59 @@ class Simulation:
             if flight.prefill_started_at is None and worker.worker_id == flight.prefilling_worker:
                 flight.prefill_started_at = self.now
         if not admission.work:
+            worker.report()  # idle: what it reports now stays true until its next step ends
             return
         seconds = self.calibration.step_seconds(admission.prefill_chunks(), admission.num_decodes())
         if self.calibration.step_jitter:
             seconds *= self._jitter.lognormvariate(0.0, self.calibration.step_jitter)
         worker.version += 1
         worker.num_steps += admission.repeat
-        worker.active = ActiveStep(admission, self.now, seconds, worker.version)
+        slowed = self.cores.set_busy(worker.worker_id, True)
+        worker.active = ActiveStep(admission, self.now, seconds, worker.version, self.cores.speed(worker.worker_id))
         self.clock.at(worker.active.ends_at, self._step_done, worker, worker.version)
+        self._reshare(slowed)
 
     def _step_done(self, worker: SimWorker, version: int) -> None:
         if version != worker.version:
-            return  # superseded: the run was cut and rescheduled
+            return  # superseded: the run was cut, or retimed, and rescheduled
         active, worker.active = worker.active, None
-        produced = worker.engine.complete(active.admission, active.started_at, active.step_seconds)
+        produced = worker.engine.complete(active.admission, active.started_at, active.seconds_per_step(self.now))
+        worker.report()
         self.fleet.publish(worker)
         worker.touch()
         for tokens in produced:
             self._tokens(worker, tokens)
         if worker.active is None:
             self._start_step(worker)
+        if worker.active is None:
+            self._reshare(self.cores.set_busy(worker.worker_id, False))
+
+    def _reshare(self, worker_ids: list[str]) -> None:
+        """The sharing of these engines' cores changed: their steps go on at the new pace."""
+        for worker_id in worker_ids:
+            worker = self.fleet.workers[worker_id]
+            active, speed = worker.active, self.cores.speed(worker_id)
+            if active is None or speed == active.speed:
+                continue
+            active.reshare(self.now, speed)
+            worker.version += 1
+            active.version = worker.version
+            self.clock.at(max(self.now, active.ends_at), self._step_done, worker, worker.version)
 
     def _start_pull(self, worker: SimWorker, request: EngineRequest, num_blocks: int) -> None:
         flight = self.flights[request.request_id]
+        if flight.request.index in self.failed_pulls:
+            self.clock.at(self.now, self._pull_refused, worker, request)
+            return
         flight.transfer_bytes = num_blocks * worker.bytes_per_block
         arrives_at = self.links.transfer(worker.worker_id, flight.transfer_bytes, self.now)
         flight.transfer_seconds = arrives_at - self.now
         self.clock.at(arrives_at, self._pulled, worker, request)
+
+    def _pull_refused(self, worker: SimWorker, request: EngineRequest) -> None:
+        worker.engine.pull_failed(request)
+        worker.touch()
+        self._wake(worker)
 
     def _pulled(self, worker: SimWorker, request: EngineRequest) -> None:
         worker.engine.pull_done(request)
@@ -274,6 +308,8 @@ class Simulation:
                 raise ConservationError(f"{worker.worker_id} left with {len(engine.running)} running, "
                                         f"{len(engine.waiting)} waiting, {engine.pool.num_used} blocks in use, "
                                         f"{worker.in_flight} in flight")
+        if self.cores.busy:
+            raise ConservationError(f"engines still marked busy on their cores: {sorted(self.cores.busy)}")
 
     # ------------------------------------------------------------ the record
 

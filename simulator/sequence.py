@@ -39,6 +39,7 @@ class EngineRequest:
     num_registered: int = 0  # leading prompt blocks already cached or tried
     cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's num_cached_tokens)
     awaiting_output: bool = True  # counted in the engine's queued prompt tokens
+    hold_blocks: bool = False  # a DISAGG prefill: the connector holds its blocks for the pull
 
     @property
     def num_prompt(self) -> int:

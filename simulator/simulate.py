@@ -8,17 +8,22 @@ is, unless ``settings.cost_model`` says otherwise, the one the calibration impli
 perfectly calibrated orchestrator would believe). ``seed`` drives everything random in a
 run (step-time jitter; the trace and workload are seeded where they are made), so equal
 arguments give equal results.
+
+``settings.cpu`` says which engines share CPU cores (``simulator.cpu``; default: none).
+Where they do, every step is simulated on its own (no decode runs): a run's steps are
+only identical while their pace is, and sharing changes the pace between steps.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import make_policy
 from orchestrator.planner.settings import PlannerSettings
 from simulator.calibration import SimCalibration
+from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
 from simulator.sequence import ceil_div
 from simulator.fleet import SimFleet
@@ -34,6 +39,12 @@ class SimulationSettings:
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     cost_model: CostModel | None = None  # None: calibration.cost_model()
+    cpu: CpuSettings = field(default_factory=CpuSettings)  # default: no engines share cores
+    # Views show vLLM's stats as of each engine's last step end, not its exact state (``fleet``).
+    stats_at_step_end: bool = False
+    # Indices of requests whose KV pull is refused (their decode worker prefills them again):
+    # a real run's faults, replayed. Default: every pull succeeds.
+    failed_pulls: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -76,10 +87,15 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
     settings = settings or SimulationSettings()
     requests = replay_requests(trace_or_workload, tokenizer)
     check_fits(requests, settings)
-    fleet = SimFleet(num_prefill, num_decode, settings.prefill_engine, settings.decode_engine,
-                     calibration.bytes_per_token)
+    prefill_engine, decode_engine = settings.prefill_engine, settings.decode_engine
+    if settings.cpu.shared:
+        prefill_engine, decode_engine = (replace(prefill_engine, decode_runs=False),
+                                         replace(decode_engine, decode_runs=False))
+    fleet = SimFleet(num_prefill, num_decode, prefill_engine, decode_engine, calibration.bytes_per_token,
+                     settings.stats_at_step_end)
     simulation = Simulation(requests, make_policy(policy, settings.planner), fleet, calibration,
-                            settings.cost_model or calibration.cost_model(), settings.admission, seed)
+                            settings.cost_model or calibration.cost_model(), settings.admission, seed,
+                            settings.cpu, settings.failed_pulls)
     records = simulation.run()
     workers = [WorkerStats(w.worker_id, w.role, w.engine.pool.num_total, w.engine.pool.max_used,
                            w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)
