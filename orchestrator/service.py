@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvroute import identity, wire
-from orchestrator.circuit_breaker import counts_against_worker
+from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.decisions import DecisionLog, DecisionRecord
 from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_local
 from orchestrator.errors import APIError
@@ -183,10 +183,14 @@ class CompletionService:
                 if number == self.max_attempts or outcome.completion_tokens >= job.sampling.max_tokens:
                     raise APIError(503, f"{failure.role} worker failed: {failure.error}",
                                    code="worker_error") from failure.error
-                self.metrics.migrations.labels(failure.role).inc()
-                logger.warning("request %s: %s worker %s failed (%s) after %d tokens; moving it (attempt %d)",
-                               job.request_id, failure.role, failure.worker_id, failure.error,
-                               outcome.completion_tokens, number + 1)
+                if failure.error.code != DRAINING_CODE:
+                    self.metrics.migrations.labels(failure.role).inc()
+                    logger.warning("request %s: %s worker %s failed (%s) after %d tokens; moving it (attempt %d)",
+                                   job.request_id, failure.role, failure.worker_id, failure.error,
+                                   outcome.completion_tokens, number + 1)
+                else:  # it raced onto a worker that is draining: a redirect, not a failure
+                    logger.info("request %s: %s worker %s is draining; placing it elsewhere",
+                                job.request_id, failure.role, failure.worker_id)
                 attempt = continuation(job, outcome.generated_token_ids, number)
 
     async def _attempt(self, attempt: Job, job: Job, outcome: Outcome, text,
