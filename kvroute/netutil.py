@@ -48,3 +48,11 @@ def async_context():
     if _async_context is None or _async_context.closed:
         _async_context = zmq.asyncio.Context()
     return _async_context
+
+
+def flush_async_context(linger_ms: int = 2000) -> None:
+    """At exit: close every socket of the asyncio context, sending what is still queued for
+    up to ``linger_ms`` (a worker's last reply may still sit in ZeroMQ's queue when its
+    server stops), then end the context. A process that exits without this drops them."""
+    if _async_context is not None and not _async_context.closed:
+        _async_context.destroy(linger=linger_ms)

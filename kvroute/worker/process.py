@@ -27,7 +27,7 @@ from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
-from kvroute.netutil import tcp
+from kvroute.netutil import flush_async_context, tcp
 from transfer.block_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
 
 logger = logging.getLogger("kvroute.worker")
@@ -168,4 +168,7 @@ def _local(bind_host: str) -> str:
 
 def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(Worker(settings, ready_file).run())
+    try:
+        asyncio.run(Worker(settings, ready_file).run())
+    finally:
+        flush_async_context()

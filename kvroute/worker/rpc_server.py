@@ -22,6 +22,7 @@ from kvroute.worker.generation import engine_prompt, sampling_params, to_chunk
 
 logger = logging.getLogger("kvroute.worker.rpc")
 
+REPLY_FLUSH_MS = 2000  # how long queued replies may still be sent after the server closes
 DRAINING = "draining"  # the error code of a generate refused because the worker is stopping
 
 StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
@@ -84,7 +85,9 @@ class RpcServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._socket.close(linger=0)
+        # Replies already sent (a drained request's last chunk) may still be queued: keep
+        # them for the context's flush at exit (``flush_async_context``).
+        self._socket.close(linger=REPLY_FLUSH_MS)
 
     async def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from kvroute import wire
 from kvroute.model_prep import model_fingerprint
+from kvroute.netutil import flush_async_context
 from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.resident import ResidentBlocks
@@ -188,7 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
                               worker_id=args.worker_id, drain_seconds=args.drain_seconds)
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)
-    asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
+    try:
+        asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
+    finally:
+        flush_async_context()
 
 
 if __name__ == "__main__":
