@@ -62,6 +62,7 @@ from simulator import CpuSettings, SimCalibration, SimulationSettings, simulate 
 from simulator.from_replay import (ReplayCluster, calibration_from_replay, cluster_from_replay,  # noqa: E402
                                    failed_pulls, read_decisions, succeeded_rows)
 from simulator.requests import replay_requests  # noqa: E402
+from simulator.scaling import scale_repository_assistant  # noqa: E402
 
 console = Console(width=int(os.environ.get("COLUMNS", "160")))
 BOOTSTRAP_SAMPLES = 2000
@@ -166,9 +167,7 @@ def scale_workload(results: dict, num_prefill: int, requests: int):
     proportion, so each prefill worker sees the load and prefix variety it saw in the run."""
     config = RepositoryAssistantConfig(**results["workload"]["config"])
     real_prefill = sum(1 for w in results["workers"] if w.startswith("prefill"))
-    factor = num_prefill / real_prefill
-    scaled = replace(config, repositories=max(1, round(config.repositories * factor)),
-                     rate=config.rate * factor, requests=requests)
+    scaled = scale_repository_assistant(config, real_prefill, num_prefill, requests)
     return generate_workload(scaled), scaled  # pseudo token ids: only the sharing shows in a cache
 
 

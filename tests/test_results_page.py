@@ -1,0 +1,119 @@
+"""The results page generator (scripts/results_page.py) in quick mode: the page and its plots
+are written, and every number in its tables is the one in the results JSON beside it."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_page  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> tuple[Path, dict, str]:
+    output = tmp_path_factory.mktemp("results")
+    assert results_page.main(["--quick", "--output", str(output)]) == 0
+    return output, json.loads((output / "results.json").read_text()), (output / "RESULTS.md").read_text()
+
+
+def sections(text: str) -> dict[str, str]:
+    """The page's "## " sections by title."""
+    out, title = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            title = line[3:]
+            out[title] = ""
+        elif title is not None:
+            out[title] += line + "\n"
+    return out
+
+
+def table_rows(section: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("|---")]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_page_and_plots_exist(page):
+    output, report, text = page
+    assert text.startswith("# Results")
+    assert "Quick run" in text
+    for workload, names in report["plots"].items():
+        assert len(names) == 3, workload  # TTFT vs size, hit rate vs size, CDF at 8 workers
+        for name in names:
+            assert f"]({name})" in text
+            width, height = png_size(output / name)
+            assert width <= 900 and height <= 540  # 900 x 500, the CDF replay_plots' 840 x 540
+            assert (output / name).stat().st_size < 200_000
+
+
+def test_policy_tables_match_the_json(page):
+    _, report, text = page
+    found = sections(text)
+    for workload, rows in report["workloads"].items():
+        table = {(int(row[0]), row[1]): row for row in table_rows(found[workload]) if row[1] in row_policies(rows)}
+        assert len(table) == sum(len(r["policies"]) for r in rows)
+        for row in rows:
+            for policy, summary in row["policies"].items():
+                cells = table[(row["workers"], policy)]
+                assert float(cells[2]) == pytest.approx(summary["ttft_p50_s"], abs=0.005)
+                assert float(cells[3]) == pytest.approx(summary["ttft_p99_s"], abs=0.005)
+                assert float(cells[4].rstrip("%")) == pytest.approx(100 * summary["hit_rate"], abs=0.05)
+                assert float(cells[5].rstrip("%")) == pytest.approx(100 * summary["of_lru"], abs=0.05)
+                assert int(cells[7]) == summary["rejected"]
+
+
+def row_policies(rows: list[dict]) -> set[str]:
+    return {policy for row in rows for policy in row["policies"]}
+
+
+def test_targets_table_matches_the_json(page):
+    _, report, text = page
+    targets = {(row[0], row[1]): row[2:] for row in table_rows(sections(text)["Targets"])}
+    for workload, rows in report["workloads"].items():
+        assert [r["workers"] for r in rows] == [2, 8]
+        for column, row in enumerate(rows):
+            for judged in row["targets"]:
+                shown = targets[(workload, judged["target"])][column]
+                assert shown.endswith("PASS" if judged["pass"] else "MISS")
+                number = float(shown.split()[0].rstrip("%"))
+                scale = 100 if judged["kind"] == "%" else 1
+                assert number == pytest.approx(scale * judged["value"], abs=0.05 if scale == 100 else 0.005)
+
+
+def test_ratios_are_cache_aware_over_the_baselines(page):
+    _, report, _ = page
+    for rows in report["workloads"].values():
+        for row in rows:
+            policies = row["policies"]
+            assert row["p50_ratio"] == pytest.approx(policies["cache_aware"]["ttft_p50_s"]
+                                                     / policies["round_robin"]["ttft_p50_s"])
+            best = min((p for p in policies if p != "cache_aware"), key=lambda p: policies[p]["ttft_p99_s"])
+            assert row["p99_ratio"] == pytest.approx(policies["cache_aware"]["ttft_p99_s"]
+                                                     / policies[best]["ttft_p99_s"])
+
+
+def test_scaling_keeps_the_load_per_worker():
+    from kvroute.bench.workloads import RepositoryAssistantConfig
+    from simulator import SimCalibration
+    from simulator.scaling import cold_prefill_seconds, scale_repository_assistant, trace_time_scale
+
+    base = RepositoryAssistantConfig(repositories=12, requests=40, rate=0.2)
+    scaled = scale_repository_assistant(base, 2, 500, 10_000)
+    assert (scaled.repositories, scaled.rate, scaled.requests) == (3000, pytest.approx(50.0), 10_000)
+    prompts = [100, 1000, 4000]
+    assert trace_time_scale(prompts, 500, SimCalibration()) == pytest.approx(4 / 500)  # simulate_scale's 0.008
+    slow = SimCalibration(prefill_per_token_seconds=3e-3)
+    ratio = cold_prefill_seconds(prompts, slow) / cold_prefill_seconds(prompts, SimCalibration())
+    assert trace_time_scale(prompts, 4, slow) == pytest.approx(ratio)
