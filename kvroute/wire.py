@@ -253,13 +253,6 @@ class PullHeader(_Message, tag="pull_header"):
     num_layers: int = 0
 
 
-class PullParked(_Message, tag="pull_parked"):
-    """Answer to a PullBlocks that arrived before its lease was granted: the producer is
-    alive and waits up to ``wait_seconds`` for the grant; the PullHeader follows."""
-
-    wait_seconds: float
-
-
 class ReleaseLease(_Message, tag="release"):
     handle: str
     reason: str = "ack"
@@ -328,7 +321,6 @@ Message = Union[
     ReleaseAllLeases,
     PullBlocks,
     PullHeader,
-    PullParked,
     ReleaseLease,
     ReleaseReply,
     TransferStatsRequest,

@@ -16,10 +16,6 @@ import zmq
 from kvroute import wire
 
 
-# Beyond the producer's announced wait: its refusal (or the header) must still arrive.
-PARKED_MARGIN_SECONDS = 2.0
-
-
 class PullFailed(RuntimeError):
     """The producer refused, vanished, or answered with something unexpected."""
 
@@ -72,9 +68,6 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
     try:
         channel.send(wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout))
         header = channel.receive_message()
-        if isinstance(header, wire.PullParked):  # alive, waiting for the grant: so do we
-            channel.deadline = max(channel.deadline, time.monotonic() + header.wait_seconds + PARKED_MARGIN_SECONDS)
-            header = channel.receive_message()
         if not isinstance(header, wire.PullHeader) or not header.ok:
             raise PullFailed(f"producer refused the pull: {getattr(header, 'error', header)}")
         expected = len(block_indices) * layout.bytes_per_block // layout.num_layers

@@ -11,10 +11,8 @@ Protocol over one ROUTER socket (client: a DEALER)::
     anything else ──▶ ErrorReply, and the server stays up
 
 A pull may arrive before the engine has granted its lease (grants reach this process
-one engine step after the request finished, and a step of a busy CPU engine can take
-seconds), so unknown handles are parked, with a ``PullParked`` notice that tells the
-consumer the producer is alive and how long it waits, before being refused; a handle
-whose lease expired is refused at once.
+one engine step after the request finished), so unknown handles are parked briefly
+before being refused; a handle whose lease expired is refused at once.
 
 The server thread is also the one place leases expire. An idle engine does not step
 (and a staged lease lets it go idle at once), so expiry cannot wait for the engine. And
@@ -57,7 +55,7 @@ class BlockServer:
     EXPIRY_INTERVAL_SECONDS = 0.1
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
-                 counters: Counters, park_seconds: float = 20.0, pull_records: PullRecords | None = None,
+                 counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None,
                  context: zmq.Context | None = None, cpus: list[int] | None = None):
         """``cpus``: where the server thread runs (default: where its creator runs)."""
         self.cache = cache
@@ -150,7 +148,6 @@ class BlockServer:
             return
         if self.leases.get(request.handle) is None:
             self._parked.append(_ParkedPull(identity, request, time.monotonic() + self.park_seconds))
-            self._reply(identity, wire.PullParked(wait_seconds=self.park_seconds))
             return
         self._serve_pull(identity, request)
 

@@ -15,13 +15,10 @@ class ConnectorSettings:
     transfer_address: str = ""
     # A producer frees leased blocks after this long even if no consumer pulled them.
     lease_seconds: float = 30.0
-    # A consumer gives up a pull after this long without an answer (or without the data)
-    # and recomputes the prompt instead.
+    # A consumer gives up a pull after this long and recomputes the prompt instead.
     pull_timeout_seconds: float = 10.0
-    # A pull that races ahead of its lease grant waits this long for it; the producer says
-    # so at once, and the consumer's deadline stretches to match. A grant comes one engine
-    # step after the prefill, and one step of a busy CPU engine can take several seconds.
-    park_seconds: float = 20.0
+    # A pull that races ahead of its lease grant waits this long for it.
+    park_seconds: float = 5.0
     # Host memory a producer may use to copy leased blocks out of the engine's cache, so the
     # engine frees them at once instead of stepping until the lease ends; 0 keeps every
     # lease in place.
