@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from kvroute import wire
 from kvroute.launcher import LaunchedWorker, launch_worker
 from kvroute.model_prep import resolve_model
@@ -110,3 +112,20 @@ def _descendants(root_pid: int) -> set[int]:
                 found.add(child)
                 frontier.append(child)
     return found
+
+
+def metric_at(url: str, line_start: str) -> float:
+    """The value of the first /metrics line starting with ``line_start`` (0 when absent)."""
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def assert_stops_leaving_nothing(stack, timeout: float = 30) -> None:
+    """Stop a ``kvroute serve`` stack as a user would; every process it started must go."""
+    assert stack.stop() == 0
+    deadline = time.monotonic() + timeout
+    while stack.leftover_processes():
+        assert time.monotonic() < deadline, f"left running: {stack.leftover_processes()}"
+        time.sleep(0.5)

@@ -32,6 +32,7 @@ from kvroute.bench.stack import Stack
 from kvroute.model_prep import default_cache_dir, resolve_model
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerClient
+from tests.cluster import assert_stops_leaving_nothing
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
@@ -215,8 +216,4 @@ def test_decode_worker_killed_mid_stream_the_stream_goes_on(stack, client):
 
 
 def test_stopping_serve_leaves_no_processes(stack):
-    assert stack.stop() == 0
-    deadline = time.monotonic() + 30
-    while stack.leftover_processes():
-        assert time.monotonic() < deadline, f"left running: {stack.leftover_processes()}"
-        time.sleep(0.5)
+    assert_stops_leaving_nothing(stack)

@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.worker_client import WorkerClient
 from kvroute.bench.stack import Stack
+from tests.cluster import assert_stops_leaving_nothing
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096"]
@@ -193,8 +194,4 @@ async def test_sixteen_concurrent_streams(async_client):
 
 
 def test_stopping_serve_leaves_no_processes(stack):
-    assert stack.stop() == 0
-    deadline = time.monotonic() + 30
-    while stack.leftover_processes():
-        assert time.monotonic() < deadline, f"left running: {stack.leftover_processes()}"
-        time.sleep(0.5)
+    assert_stops_leaving_nothing(stack)

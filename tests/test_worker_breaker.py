@@ -15,6 +15,7 @@ import pytest
 
 from kvroute.bench.stack import running_synthetic_stack
 from kvroute.model_prep import resolve_model
+from tests.cluster import metric_at
 
 MODEL = "SmolLM2-135M-Instruct"
 ROLES = ("prefill", "decode", "decode")
@@ -41,10 +42,7 @@ def complete(stack, number: int) -> None:
 
 
 def metric(stack, line_start: str) -> float:
-    for line in httpx.get(stack.url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(line_start):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_at(stack.url, line_start)
 
 
 def breaker_state(stack) -> float:

@@ -37,6 +37,7 @@ from orchestrator.index import PrefixIndex
 from orchestrator.metrics import Metrics
 from orchestrator.registry import WorkerRegistry
 from orchestrator.worker_client import WorkerClient, WorkerError
+from tests.cluster import metric_at
 
 
 def wait_until(condition, timeout: float) -> None:
@@ -360,10 +361,7 @@ def complete(stack, prompt: str) -> None:
 
 
 def metric(stack, line_start: str) -> float:
-    for line in httpx.get(stack.url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(line_start):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_at(stack.url, line_start)
 
 
 def placed_on(stack, worker_id: str) -> float:
