@@ -188,6 +188,8 @@ class Heartbeat(_Message, tag="heartbeat"):
     model_fingerprint: str = ""
     # Told to stop: finishing the requests it has, refusing new ones (kvroute.worker.drain).
     draining: bool = False
+    # Where its connector serves KV blocks (operators' view; pulls name it in each PullSource).
+    transfer_address: str = ""
 
 
 class SnapshotRequest(_Message, tag="snapshot"):

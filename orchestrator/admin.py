@@ -16,17 +16,23 @@ def describe_workers(fleet: Fleet, index: PrefixIndex) -> list[dict]:
     """The workers as the orchestrator sees them (operators, tests, dashboards): those in
     rotation, then those draining, which still finish their requests until they stop."""
     return [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
-             "rpc_address": w.rpc_address, "draining": w.draining, "in_flight": fleet.in_flight(w.worker_id),
+             "rpc_address": w.rpc_address, "transfer_address": w.transfer_address, "draining": w.draining, "in_flight": fleet.in_flight(w.worker_id),
              "index_blocks": index.num_blocks(w.worker_id), "load": msgspec.to_builtins(w.load)}
             for role in ("prefill", "decode") for w in (*fleet.live(role), *fleet.draining(role))]
 
 
-async def reset_all_caches(fleet: Fleet, index_sync: IndexSync) -> list[dict]:
-    """Release every held lease, empty every worker's prefix cache, then reload the index.
+ROLES = ("prefill", "decode")
+
+
+async def reset_all_caches(fleet: Fleet, index_sync: IndexSync, roles: tuple[str, ...] = ROLES) -> list[dict]:
+    """Release every held lease, empty the prefix cache of every worker in ``roles``, then
+    reload the index.
 
     For fair side-by-side policy experiments on one running cluster: each run starts cold.
+    Resetting the decode workers alone keeps the prefill workers' prefixes, so that moving
+    a prompt's KV can be compared with recomputing it on a cold decode worker.
     """
-    workers = [w for role in ("prefill", "decode") for w in fleet.live(role)]
+    workers = [w for role in roles for w in fleet.live(role)]
     results = await asyncio.gather(*(_reset(fleet, w.worker_id) for w in workers))
     for worker in workers:
         index_sync.request_resync(worker.worker_id)

@@ -28,6 +28,7 @@ class WorkerView:
     last_seen: float
     kv_events_address: str = ""
     draining: bool = False  # told to stop: finishing its requests, taking no new ones
+    transfer_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class WorkerRegistry:
             return Verdict(False, f"unknown role {beat.role!r}")
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,
-                                                   beat.load, now, beat.kv_events_address, beat.draining)
+                                                   beat.load, now, beat.kv_events_address, beat.draining,
+                                                   beat.transfer_address)
         if previous is not None and previous.incarnation == beat.incarnation:
             if beat.draining and not previous.draining:
                 logger.info("worker %s is draining: no new requests go there", beat.worker_id)

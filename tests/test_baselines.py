@@ -102,7 +102,7 @@ def test_baselines_disaggregate_and_carry_estimates(name):
     assert plan.estimate.ttft > 0 and plan.estimate.gap > 0
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix_affinity", "block_cost"])
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix_affinity", "block_cost", "local_only"])
 def test_baselines_route_anyway_when_no_decode_worker_has_room(name):
     decision = make_policy(name).decide(REQUEST, [worker("p0")], [worker("d0", num_free_blocks=0)], MODEL)
     assert not decision.chosen.feasible and "lacks room" in decision.reason
@@ -115,7 +115,28 @@ def test_every_policy_has_no_plan_without_workers(name):
 
 
 def test_make_policy_knows_every_name_and_lists_them_on_a_typo():
-    assert set(POLICIES) == {"cache_aware", "round_robin", "least_loaded", "prefix_affinity", "block_cost"}
+    assert set(POLICIES) == {"cache_aware", "round_robin", "least_loaded", "prefix_affinity", "block_cost",
+                             "local_only"}
     assert make_policy("cache_aware", PlannerSettings(top_k=2)).settings.top_k == 2
     with pytest.raises(ValueError, match="cache_aware, round_robin, least_loaded"):
         make_policy("random")
+
+
+@pytest.mark.parametrize("decode, expected", [
+    # the longest resident prefix wins, even on a busier worker
+    ([worker("d0"), worker("d1", cached_blocks=30, num_running=3)], "d1"),
+    # equal matches: the least loaded
+    ([worker("d0", num_running=2), worker("d1", num_running=1)], "d1"),
+    # the best match has no room for prompt and output: skip it
+    ([worker("d0", cached_blocks=30, num_free_blocks=10), worker("d1")], "d1"),
+])
+def test_local_only_prefills_on_a_decode_worker(decode, expected):
+    decision = make_policy("local_only").decide(REQUEST, [worker("p0", cached_blocks=50)], decode, MODEL)
+    assert decision.chosen.kind is PlanKind.LOCAL
+    assert decision.chosen.workers == (expected,)
+    assert decision.chosen.estimate.transfer_bytes == 0
+
+
+def test_local_only_without_decode_workers_has_no_plan():
+    decision = make_policy("local_only").decide(REQUEST, [worker("p0")], [], MODEL)
+    assert decision.chosen is None and "no decode worker" in decision.reason

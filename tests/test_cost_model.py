@@ -1,6 +1,6 @@
 """Table tests for the cost model and its online calibration."""
 
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import numpy as np
 import pytest
@@ -109,20 +109,39 @@ def test_calibration_recovers_known_coefficients_from_noisy_data():
         assert getattr(fit, name) == pytest.approx(getattr(TRUE_PREFILL, name), rel=0.10), name
 
 
-def test_calibration_falls_back_to_defaults_with_too_few_points():
+def scaled(coefficients: PrefillCoefficients, scale: float) -> PrefillCoefficients:
+    return PrefillCoefficients(*(scale * value for value in astuple(coefficients)))
+
+
+def test_too_few_points_scale_the_defaults_by_the_median_ratio():
     calibrator = PrefillCalibrator(min_points=8)
-    for new, cached, seconds in noisy_prefills(7):
+    points = list(noisy_prefills(7))
+    for new, cached, seconds in points:
         calibrator.observe("prefill", new, cached, seconds)
-    assert calibrator.coefficients("prefill") == cost.DEFAULT_PREFILL
-    assert calibrator.coefficients("decode") == cost.DEFAULT_PREFILL
-    assert calibrator.fitted() == {}
+    ratio = float(np.median([seconds / cost.prefill_seconds_with(cost.DEFAULT_PREFILL, new, cached)
+                             for new, cached, seconds in points]))
+    assert ratio != pytest.approx(1.0, abs=0.05)  # the defaults are off for this "machine"
+    fit = calibrator.coefficients("prefill")
+    for name in ("fixed_seconds", "per_token_seconds", "attention_seconds"):
+        assert getattr(fit, name) == pytest.approx(ratio * getattr(cost.DEFAULT_PREFILL, name))
+    assert calibrator.coefficients("decode") == cost.DEFAULT_PREFILL  # nothing seen there
+    assert calibrator.fitted() == {}  # no least-squares fit yet
 
 
-def test_calibration_falls_back_when_points_cannot_determine_a_fit():
+def test_one_prefill_fixes_the_order_of_magnitude():
+    """Start-up defaults ~10x too fast (as on a CPU float32 engine): one observation corrects them."""
+    calibrator = PrefillCalibrator()
+    calibrator.observe("decode", 766, 0, 4.0)
+    assert cost.prefill_seconds_with(calibrator.coefficients("decode"), 766, 0) == pytest.approx(4.0)
+    assert cost.prefill_seconds_with(calibrator.pooled(), 766, 0) == pytest.approx(4.0)
+
+
+def test_points_that_cannot_determine_a_fit_still_scale_the_defaults():
     calibrator = PrefillCalibrator()
     for _ in range(20):  # one prompt shape over and over: three coefficients, one equation
         calibrator.observe("prefill", 900, 0, 0.38)
-    assert calibrator.coefficients("prefill") == cost.DEFAULT_PREFILL
+    assert calibrator.fitted() == {}
+    assert cost.prefill_seconds_with(calibrator.coefficients("prefill"), 900, 0) == pytest.approx(0.38)
 
 
 def test_calibration_never_returns_negative_coefficients():
@@ -167,6 +186,44 @@ def test_link_estimates_follow_a_change_in_bandwidth():
     assert calibrator.estimate("p0", "d0").bandwidth_bytes_per_second == pytest.approx(0.5e9, rel=0.05)
 
 
+def test_a_link_that_became_much_slower_is_relearned_from_its_latest_transfers():
+    """Fast transfers, then the link drops to 6 MB/s: two surprising transfers restart it."""
+    calibrator = LinkCalibrator()
+    for size, seconds in [(17_694_720, 0.335), (35_389_440, 0.036), (35_389_440, 0.184)]:
+        calibrator.observe("p0", "d0", size, seconds)
+    slow = 6.25e6
+    calibrator.observe("p0", "d0", 17_694_720, 17_694_720 / slow)
+    first = calibrator.estimate("p0", "d0").bandwidth_bytes_per_second
+    assert first > 2 * slow  # one surprise only moves the averages
+    calibrator.observe("p0", "d0", 17_694_720, 17_694_720 / slow)
+    calibrator.observe("p0", "d0", 5_898_240, 5_898_240 / slow)
+    assert calibrator.estimate("p0", "d0").bandwidth_bytes_per_second == pytest.approx(slow, rel=0.05)
+
+
+def test_one_hiccup_does_not_restart_a_link():
+    calibrator = LinkCalibrator()
+    for _ in range(10):
+        calibrator.observe("p0", "d0", 10_000_000, 0.001 + 10_000_000 / 1e9)
+    calibrator.observe("p0", "d0", 10_000_000, 1.0)  # 100x slower, once
+    for _ in range(3):
+        calibrator.observe("p0", "d0", 10_000_000, 0.001 + 10_000_000 / 1e9)
+    # the averages still carry the hiccup a little, but the link was not relearned from it
+    assert calibrator.estimate("p0", "d0").bandwidth_bytes_per_second > 0.1e9
+
+
+def test_small_differences_are_never_surprising():
+    """A transfer of 5 ms where 1 ms was estimated is 5x off but changes no plan."""
+    calibrator = LinkCalibrator()
+    for _ in range(10):
+        calibrator.observe("p0", "d0", 1_000_000, 0.002)
+    before = calibrator.estimate("p0", "d0")
+    for _ in range(3):
+        calibrator.observe("p0", "d0", 1_000_000, 0.010)
+    after = calibrator.estimate("p0", "d0")
+    assert after.bandwidth_bytes_per_second < before.bandwidth_bytes_per_second  # averaged in...
+    assert after.bandwidth_bytes_per_second > 1_000_000 / 0.010  # ...not restarted from the last one
+
+
 def test_same_size_transfers_keep_the_prior_latency_and_solve_for_bandwidth():
     calibrator = LinkCalibrator()
     for _ in range(10):
@@ -207,9 +264,15 @@ def test_a_class_without_enough_points_borrows_the_pooled_fit():
     assert model.coefficients_for("prefill") == calibrator.fitted()["prefill"]
 
 
-def test_no_pooled_fit_before_enough_points_anywhere():
+def test_before_enough_points_anywhere_the_pool_borrows_the_scaled_defaults():
     calibrator = PrefillCalibrator(min_points=8)
-    for new, cached, seconds in noisy_prefills(7):
-        calibrator.observe("decode", new, cached, seconds)
     assert calibrator.pooled() is None
     assert calibrated_model(CostModel(), calibrator, LinkCalibrator()).coefficients_for("decode") == cost.DEFAULT_PREFILL
+    points = list(noisy_prefills(7))
+    for new, cached, seconds in points[:6]:
+        calibrator.observe("decode", new, cached, seconds)
+    calibrator.observe("prefill", *points[6])
+    model = calibrated_model(CostModel(), calibrator, LinkCalibrator())
+    assert calibrator.fitted() == {}
+    assert model.coefficients_for("decode") == model.coefficients_for("prefill") == calibrator.pooled()
+    assert calibrator.pooled() != cost.DEFAULT_PREFILL

@@ -404,6 +404,21 @@ def test_resident_snapshot_after_all_blocks_cleared():
         assert match(index, later, S) == {"w1": 2}
 
 
+def test_resident_snapshot_is_empty_right_after_a_reset_and_the_late_event_changes_nothing():
+    """vLLM publishes a reset's AllBlocksCleared only at its next step; the worker clears at once."""
+    engine = FakeEngine(6)
+    prompt, later = tokens(3, seed=32), tokens(2, seed=33)
+    resident = ResidentBlocks()
+    resident.apply(0, KVEventBatch(ts=1.0, events=[engine.store(prompt, S)]))
+    resident.clear()
+    emptied = resident.snapshot("r", "w1-inc1")
+    assert emptied.blocks == [] and emptied.seq == 0  # events after seq 0 still apply on top
+    resident.apply(1, KVEventBatch(ts=2.0, events=[AllBlocksCleared(), engine.store(later, S)]))
+    loaded = PrefixIndex()
+    loaded.load_snapshot("w1", "w1-inc1", snapshot_records(resident.snapshot("r", "w1-inc1")))
+    assert match(loaded, prompt, S) == {} and match(loaded, later, S) == {"w1": 2}
+
+
 def test_evictions_are_counted_per_worker_and_survive_a_resync():
     engine = FakeEngine(1)
     index = fresh("w1", "w2")

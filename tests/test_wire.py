@@ -91,9 +91,13 @@ HEARTBEAT_V1_HEX = (  # before ``draining`` was appended
     "b16b765f6576656e74735f61646472657373" "a0"  # kv_events_address: ""
     "b16d6f64656c5f66696e6765727072696e74" "a0"  # model_fingerprint: ""
 )
-HEARTBEAT_HEX = (
+HEARTBEAT_V2_HEX = (  # before ``transfer_address`` was appended
     "8a" + HEARTBEAT_V1_HEX[2:]
     + "a8647261696e696e67" "c2"  # draining: false
+)
+HEARTBEAT_HEX = (
+    "8b" + HEARTBEAT_V2_HEX[2:]
+    + "b07472616e736665725f61646472657373" "a0"  # transfer_address: ""
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -176,8 +180,9 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
     assert decoded == message
 
 
-@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK),
-                                              (HEARTBEAT_V1_HEX, HEARTBEAT)], ids=["GenerateChunk", "Heartbeat"])
+@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
+                                              (HEARTBEAT_V2_HEX, HEARTBEAT)],
+                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

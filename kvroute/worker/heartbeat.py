@@ -32,7 +32,7 @@ def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: f
     return wire.Heartbeat(worker_id=settings.worker_id, role=settings.role, incarnation=settings.incarnation,
                           rpc_address=settings.rpc_address, load=load, sent_at=now,
                           kv_events_address=settings.kv_events_address, model_fingerprint=model_fingerprint,
-                          draining=draining)
+                          transfer_address=settings.transfer_address, draining=draining)
 
 
 class HeartbeatSender:

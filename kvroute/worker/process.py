@@ -128,6 +128,7 @@ class Worker:
         released = await self.release_leases("reset")
         for _ in range(RESET_ATTEMPTS):
             if await self.engine.reset_prefix_cache():
+                self.resident.clear()
                 logger.info("prefix cache reset (%d leases released)", released)
                 return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released)
             await asyncio.sleep(0.1)  # freed blocks return to the pool on the engine's next step

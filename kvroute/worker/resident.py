@@ -44,6 +44,13 @@ class ResidentBlocks:
                 self.blocks.clear()
         self.seq = seq
 
+    def clear(self) -> None:
+        """The engine emptied its prefix cache. vLLM queues the matching AllBlocksCleared
+        event but publishes it only at its next step, which an idle engine does not take:
+        until then a snapshot would still list every block it dropped. The event, when it
+        comes, clears again; the sequence number stays that of the last event applied."""
+        self.blocks.clear()
+
     def snapshot(self, request_id: str, incarnation: str) -> wire.KVSnapshot:
         return wire.KVSnapshot(request_id=request_id, incarnation=incarnation, seq=self.seq,
                                block_size=self.block_size, blocks=list(self.blocks.values()))

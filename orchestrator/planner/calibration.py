@@ -8,12 +8,12 @@ calls ``observe``; planners only ever see the frozen ``CostModel`` that
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 import numpy as np
 
 from orchestrator.planner.cost_model import (DEFAULT_LINK, DEFAULT_PREFILL, CostModel, LinkEstimate,
-                                             PrefillCoefficients)
+                                             PrefillCoefficients, prefill_seconds_with, transfer_seconds)
 
 DEFAULT_WINDOW = 256  # recent prefills per class: enough to average noise, short enough to follow drift
 DEFAULT_MIN_POINTS = 8  # three coefficients; a margin over three so one outlier cannot set them
@@ -66,12 +66,14 @@ class PrefillCalibrator:
         history.append((new_tokens, cached_tokens, seconds))
 
     def coefficients(self, worker_class: str) -> PrefillCoefficients:
-        """The fit for ``worker_class``, or the defaults until enough points determine one."""
-        return self._fit(worker_class) or self.defaults
+        """The fit for ``worker_class``; with too few points for one, the defaults scaled to
+        what was observed; with no points, the defaults."""
+        history = self._observations.get(worker_class, ())
+        return self._least_squares(history) or self._scaled_defaults(history) or self.defaults
 
     def fitted(self) -> dict[str, PrefillCoefficients]:
-        """Only the classes with a real fit; the cost model's default covers the rest."""
-        fits = {name: self._fit(name) for name in sorted(self._observations)}
+        """Only the classes with a least-squares fit; the cost model's default covers the rest."""
+        fits = {name: self._least_squares(self._observations[name]) for name in sorted(self._observations)}
         return {name: fit for name, fit in fits.items() if fit is not None}
 
     def pooled(self) -> PrefillCoefficients | None:
@@ -79,17 +81,28 @@ class PrefillCalibrator:
         enough points of its own. Workers of one deployment share model and hardware far
         more often than not, so a fit from the other pool beats start-up defaults that may
         be an order of magnitude off (measured: 0.6 s assumed where 7 s was true), which
-        would make the unfitted pool look idle-fast and draw every request."""
-        return self._fit_history([point for history in self._observations.values() for point in history])
+        would make the unfitted pool look idle-fast and draw every request. Before there
+        are enough points for a fit, the defaults scaled to the points seen; None before
+        the first."""
+        history = [point for points in self._observations.values() for point in points]
+        return self._least_squares(history) or self._scaled_defaults(history)
 
-    def _fit(self, worker_class: str) -> PrefillCoefficients | None:
-        return self._fit_history(self._observations.get(worker_class, ()))
-
-    def _fit_history(self, history) -> PrefillCoefficients | None:
+    def _least_squares(self, history) -> PrefillCoefficients | None:
         if len(history) < self.min_points:
             return None
         points = np.array(history, dtype=np.float64)  # rows of (new, cached, seconds)
         return fit_prefill(prefill_features(points), points[:, 2])
+
+    def _scaled_defaults(self, history) -> PrefillCoefficients | None:
+        """The defaults' shape, times the median of observed over predicted seconds: one
+        parameter, which a single prefill determines, where three need many of several
+        sizes. It fixes the order of magnitude (the machine), not the shape (the model)."""
+        ratios = [seconds / predicted for new, cached, seconds in history
+                  if (predicted := prefill_seconds_with(self.defaults, new, cached)) > 0]
+        if not ratios:
+            return None
+        scale = float(np.median(ratios))
+        return PrefillCoefficients(*(scale * value for value in astuple(self.defaults)))
 
 
 @dataclass
@@ -128,7 +141,19 @@ def link_estimate(moments: _LinkMoments, prior: LinkEstimate) -> LinkEstimate:
 
 
 class LinkCalibrator:
-    """Bandwidth and latency per (source, destination), following recent transfers."""
+    """Bandwidth and latency per (source, destination), following recent transfers.
+
+    Moving averages follow drift but take many transfers to leave a link's old speed
+    behind, and each transfer planned on the stale estimate is one that hurts (a link
+    that became 100x slower still looked fast after five slow transfers). So when
+    ``SURPRISES_TO_RESTART`` transfers in a row take more than ``SURPRISE_FACTOR`` times
+    longer or shorter than estimated, and by more than ``SURPRISE_MIN_SECONDS``, the link
+    is taken to have changed and its averages restart from the latest transfer. One
+    surprise alone (a hiccup) only moves the averages."""
+
+    SURPRISE_FACTOR = 3.0
+    SURPRISE_MIN_SECONDS = 0.05  # differences smaller than this do not change a plan
+    SURPRISES_TO_RESTART = 2
 
     def __init__(self, prior: LinkEstimate = DEFAULT_LINK, smoothing: float = DEFAULT_LINK_SMOOTHING):
         if not 0 < smoothing <= 1:
@@ -136,15 +161,26 @@ class LinkCalibrator:
         self.prior = prior
         self.smoothing = smoothing
         self._moments: dict[tuple[str, str], _LinkMoments] = {}
+        self._surprises: dict[tuple[str, str], int] = {}
 
     def observe(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             return
-        moments = self._moments.get((source, destination))
-        if moments is None:
-            self._moments[(source, destination)] = _LinkMoments(float(num_bytes), seconds)
+        link = (source, destination)
+        moments = self._moments.get(link)
+        if moments is None or self._link_changed(link, moments, num_bytes, seconds):
+            self._moments[link] = _LinkMoments(float(num_bytes), seconds)
         else:
             moments.update(float(num_bytes), seconds, self.smoothing)
+
+    def _link_changed(self, link: tuple[str, str], moments: _LinkMoments, num_bytes: int, seconds: float) -> bool:
+        predicted = transfer_seconds(num_bytes, link_estimate(moments, self.prior))
+        surprising = (abs(seconds - predicted) > self.SURPRISE_MIN_SECONDS
+                      and not predicted / self.SURPRISE_FACTOR <= seconds <= predicted * self.SURPRISE_FACTOR)
+        surprises = self._surprises.get(link, 0) + 1 if surprising else 0
+        changed = surprises >= self.SURPRISES_TO_RESTART
+        self._surprises[link] = 0 if changed else surprises
+        return changed
 
     def estimate(self, source: str, destination: str) -> LinkEstimate:
         moments = self._moments.get((source, destination))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+from orchestrator.planner.aggregated import LocalOnly
 from orchestrator.planner.baselines import BlockCost, LeastLoaded, PrefixAffinity, RoundRobin
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.planner import CacheAwarePlanner
@@ -28,6 +29,7 @@ POLICIES: dict[str, Callable[[PlannerSettings], Policy]] = {
     "least_loaded": LeastLoaded,
     "prefix_affinity": PrefixAffinity,
     "block_cost": BlockCost,
+    "local_only": LocalOnly,
 }
 
 
