@@ -8,6 +8,11 @@ its incarnation id; a new incarnation or a dead worker purges them all.
 
 Owners of a block are a bitmask over worker slots, so longest-prefix match walks the
 prompt's block hashes once with one integer AND per block: O(prompt blocks).
+
+Besides what the engines reported stored, a worker holds the blocks claimed for the
+requests just routed to it (``pending_blocks``): a match counts both, so requests that
+share a prefix follow the first of them even before its prefill ends. Claims go with
+the worker's entries (purge, new incarnation, snapshot reload, cache cleared).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvroute import identity, kv_events
+from orchestrator.pending_blocks import PendingBlocks, PendingSettings
 
 
 @dataclass
@@ -27,15 +33,17 @@ class _WorkerEntries:
 
 
 class PrefixIndex:
-    """Single writer: the index-sync task of the orchestrator."""
+    """Single writer of stored blocks: the index-sync task of the orchestrator; of claims:
+    the completion service, as it routes requests and sees them prefilled."""
 
-    def __init__(self):
+    def __init__(self, pending: PendingSettings | None = None):
         self._owners: dict[identity.BlockHash, int] = {}  # block → bitmask of worker slots
         self._workers: dict[str, _WorkerEntries] = {}
         self._slot_owner: dict[int, str] = {}  # bit → worker id
         # Blocks each worker's engine evicted (BlockRemoved), since this orchestrator started;
         # kept across resyncs and restarts so it only ever grows.
         self._evicted: dict[str, int] = {}
+        self._pending = PendingBlocks(pending or PendingSettings())
 
     # ------------------------------------------------------------ writes
 
@@ -52,6 +60,7 @@ class PrefixIndex:
             return
         for ours in entries.ours.values():
             self._disown(ours, entries.bit)
+        self._pending.drop_worker(entries.bit)
         del self._slot_owner[entries.bit]
 
     def apply(self, worker_id: str, event: kv_events.KVEvent) -> None:
@@ -95,6 +104,7 @@ class PrefixIndex:
         ours = identity.next_block_hash(parent, record.token_ids)
         entries.ours[record.engine_hash] = ours
         self._owners[ours] = self._owners.get(ours, 0) | (1 << entries.bit)
+        self._pending.confirm(entries.bit, ours)
 
     def _disown(self, ours: identity.BlockHash, bit: int) -> None:
         owners = self._owners.get(ours, 0) & ~(1 << bit)
@@ -102,6 +112,31 @@ class PrefixIndex:
             self._owners[ours] = owners
         else:
             self._owners.pop(ours, None)
+
+    # ------------------------------------------------------------ claims
+
+    def claim(self, worker_id: str, request_id: str, block_hashes: list[identity.BlockHash],
+              capacity_blocks: int, now: float) -> None:
+        """``request_id`` was routed to ``worker_id``, which will compute and cache its
+        prompt's ``block_hashes``; ``capacity_blocks``: the worker's KV cache."""
+        entries = self._workers.get(worker_id)
+        if entries is not None:  # a worker the index does not follow gets no claims either
+            self._pending.claim(entries.bit, request_id, block_hashes, capacity_blocks, now)
+
+    def settle(self, worker_id: str, request_id: str, now: float) -> None:
+        """The request's prefill on ``worker_id`` is done (its first token came)."""
+        entries = self._workers.get(worker_id)
+        if entries is not None:
+            self._pending.settle(entries.bit, request_id, now)
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        """The request left ``worker_id`` without a first token: its claim is void."""
+        entries = self._workers.get(worker_id)
+        if entries is not None:
+            self._pending.release(entries.bit, request_id)
+
+    def expire_claims(self, now: float) -> None:
+        self._pending.expire(now)
 
     # ------------------------------------------------------------ reads
 
@@ -113,16 +148,22 @@ class PrefixIndex:
         entries = self._workers.get(worker_id)
         return len(entries.ours) if entries else 0
 
+    def num_claimed(self, worker_id: str) -> int:
+        """Distinct blocks claimed on the worker for requests routed there."""
+        entries = self._workers.get(worker_id)
+        return self._pending.num_claimed(entries.bit) if entries else 0
+
     def num_evicted(self, worker_id: str) -> int:
         """Blocks the worker's engine reported evicted while this index followed it."""
         return self._evicted.get(worker_id, 0)
 
     def match(self, block_hashes: list[identity.BlockHash]) -> dict[str, int]:
-        """Per worker with at least one match: how many leading blocks it holds."""
+        """Per worker with at least one match: how many leading blocks it holds, stored or claimed."""
         matched: dict[str, int] = {}
         active = 0
+        claimed = self._pending.owner_masks  # one lookup per block, as for stored owners
         for position, block_hash in enumerate(block_hashes):
-            owners = self._owners.get(block_hash, 0)
+            owners = self._owners.get(block_hash, 0) | claimed.get(block_hash, 0)
             still = owners if position == 0 else active & owners
             self._record(active & ~still, position, matched)
             active = still

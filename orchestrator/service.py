@@ -81,6 +81,11 @@ class _WorkerFailed(Exception):
         self.role, self.worker_id, self.error = role, worker_id, error
 
 
+def prompt_block_hashes(job: Job, block_size: int) -> list[identity.BlockHash]:
+    """The prompt's full blocks, chained in the job's cache namespace, as the index keys them."""
+    return identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt)
+
+
 def continuation(job: Job, generated: list[int], attempt: int) -> Job:
     """The rest of ``job`` after ``generated`` tokens: they join the prompt, and the
     output budget shrinks by as many, so the client sees one uninterrupted completion."""
@@ -127,7 +132,8 @@ class CompletionService:
     def plan(self, job: Job, excluded: set[str] = frozenset()) -> tuple[Decision, DecisionRecord | None]:
         """``excluded``: workers that already failed this job (the registry may not know yet)."""
         block_size = self._block_size()
-        matches = self.index.match(identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt))
+        self.index.expire_claims(time.monotonic())
+        matches = self.index.match(prompt_block_hashes(job, block_size))
         prefill, decode = self._views("prefill", matches, excluded), self._views("decode", matches, excluded)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
@@ -205,6 +211,7 @@ class CompletionService:
         self._track(plan, +1)
         prefilling = plan.prefill_worker or plan.decode_worker
         self._reserve(plan, attempt, prefilling)
+        self._claim(prefilling, attempt)
         health: tuple[bool, _WorkerFailed | None] = (False, None)  # unchanged if the client leaves
         try:
             chunks = self._until_prefilled(self._tokens(plan, attempt, handoff), prefilling, attempt)
@@ -224,6 +231,8 @@ class CompletionService:
             self._report_health(plan, *health)
             self.fleet.ledger.prefilled(prefilling, attempt.request_id)
             self.fleet.ledger.released(plan.decode_worker, attempt.request_id)
+            if handoff.first_token_at is None:  # failed, or the client left: nothing stored to count on
+                self.index.release(prefilling, attempt.request_id)
             self._track(plan, -1)
             if attempt is job:
                 outcome.cached_tokens = handoff.prefill_cached_tokens
@@ -257,13 +266,23 @@ class CompletionService:
         lifetime_tokens = len(job.prompt_token_ids) + max(job.sampling.max_tokens, 0)
         self.fleet.ledger.reserved(plan.decode_worker, job.request_id, -(-lifetime_tokens // self._block_size()))
 
+    def _claim(self, prefilling: str, job: Job) -> None:
+        """Until its KV events say so, the index counts the prompt as cached where it is
+        prefilled, so requests sharing its prefix follow it there (``pending_blocks``)."""
+        worker = self.fleet.registry.get(prefilling)
+        capacity = worker.load.num_total_blocks if worker is not None else 0
+        self.index.claim(prefilling, job.request_id, prompt_block_hashes(job, self._block_size()), capacity,
+                         time.monotonic())
+
     async def _until_prefilled(self, chunks: AsyncIterator[wire.GenerateChunk], prefilling: str,
                                job: Job) -> AsyncIterator[wire.GenerateChunk]:
-        """Pass chunks through; the first token means the prefilling worker's queue is shorter."""
+        """Pass chunks through; the first token means the prefilling worker's queue is shorter
+        and the prompt's blocks are stored there."""
         async with aclosing(chunks):
             async for chunk in chunks:
                 if chunk.token_ids or chunk.finished:
                     self.fleet.ledger.prefilled(prefilling, job.request_id)
+                    self.index.settle(prefilling, job.request_id, time.monotonic())
                 yield chunk
 
     def _client(self, worker_id: str):

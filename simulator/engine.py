@@ -11,6 +11,11 @@ Like vLLM v1's scheduler, every step gets a token budget and spends it on
    cache hit first (whole cached blocks, never the last prompt token), then a chunk of
    what is left. The first request that does not fit stops admission (head of line).
 
+As in vLLM (``KVCacheManager.allocate_slots``), a chunk's full prompt blocks join the
+prefix cache, and are reported stored, when the chunk is scheduled, not when the step
+that computes them ends: a request admitted later, in the same step or after, hits them
+(the forward pass writes each layer's new KV before any request attends to it).
+
 A request whose prompt KV comes from a prefill worker (``remote``) is admitted by
 allocating blocks for its prompt and the prefill worker's token, minus what the local
 cache already holds; its pull then runs outside the engine (``Admission.pulls``), and
@@ -96,7 +101,7 @@ class Engine:
         assert request.state is RequestState.PULLING, request.state
         request.num_computed = request.num_prompt
         request.state = RequestState.READY
-        self._register_full_blocks(request)
+        self._register_full_blocks(request, request.num_prompt)
 
     def pull_failed(self, request: EngineRequest) -> None:
         """The prefill worker refused the pull: kvroute's connector then recomputes the
@@ -135,6 +140,7 @@ class Engine:
             request = self.running[index]
             new = min(request.num_tokens - request.num_computed, budget)
             if self._grow(request, request.num_computed + new, step):
+                self._register_full_blocks(request, request.num_computed + new)
                 step.work.append((request, new))
                 budget -= new
                 index += 1
@@ -184,6 +190,7 @@ class Engine:
         new = min(request.num_tokens - len(hit_keys) * size, budget)
         if not self._take_blocks(request, hit_keys, ceil_div(len(hit_keys) * size + new, size) - len(hit_keys)):
             return None
+        self._register_full_blocks(request, request.num_computed + new)
         return new
 
     def _start_pull(self, request: EngineRequest, step: Admission) -> bool:
@@ -260,16 +267,16 @@ class Engine:
             request.num_output += repeat
             return repeat
         request.num_computed += new
-        self._register_full_blocks(request)
         if request.num_computed < request.num_tokens:
             return 0  # a prompt chunk that was not the last
         request.num_output += 1
         return 1
 
-    def _register_full_blocks(self, request: EngineRequest) -> None:
-        """Cache the prompt's newly completed full blocks; publish them as vLLM would."""
+    def _register_full_blocks(self, request: EngineRequest, tokens: int) -> None:
+        """Cache the prompt's full blocks among its first ``tokens`` (computed, or scheduled
+        to be computed in this step); publish them as vLLM would."""
         size = self.config.block_size
-        done = min(request.num_computed, request.num_prompt) // size
+        done = min(tokens, request.num_prompt) // size
         run_start = None
         for index in range(request.num_registered, done):
             if request.blocks[index] is None and self.pool.promote(request.block_keys[index]):

@@ -11,7 +11,8 @@
 
 It mirrors ``orchestrator.service.CompletionService``: the same index lookup and views
 feed the same policy objects, a plan's workers count the request in flight until it
-ends, and waiting for capacity re-plans as ``admit`` does. Each engine has at most one
+ends, its prompt blocks are claimed in the index on its prefilling worker until its
+first token, and waiting for capacity re-plans as ``admit`` does. Each engine has at most one
 pending step event; when something arrives for an engine in the middle of a decode run,
 the run is cut at the next step boundary and its event rescheduled (the old one is
 recognised as stale by the worker's version). Engines that share CPU cores (``cpu``)
@@ -131,6 +132,7 @@ class Simulation:
     # ------------------------------------------------------------ placement
 
     def _decide(self, flight: Flight) -> Decision:
+        self.fleet.index.expire_claims(self.now)
         matches = self.fleet.index.match(flight.block_hashes)
         request = RequestView(flight.request_id, flight.prompt_tokens, flight.request.max_tokens,
                               self.fleet.block_size)
@@ -147,7 +149,10 @@ class Simulation:
             worker.in_flight += 1
             worker.touch()
         local = decision.chosen.kind is PlanKind.LOCAL
-        self._submit(self.fleet.workers[flight.prefilling_worker],
+        prefilling = self.fleet.workers[flight.prefilling_worker]
+        self.fleet.index.claim(prefilling.worker_id, flight.request_id, flight.block_hashes,
+                               prefilling.engine.pool.num_total, self.now)
+        self._submit(prefilling,
                      EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
                                    max_tokens=flight.request.max_tokens if local else 1, hold_blocks=not local))
         return True
@@ -197,7 +202,8 @@ class Simulation:
 
     def _start_step(self, worker: SimWorker) -> None:
         admission = worker.engine.schedule()
-        self.fleet.publish(worker)
+        # What scheduling cached or evicted reaches the index when the step ends, as vLLM
+        # publishes a step's KV events after its forward pass (``_step_done``).
         worker.touch()
         for request, num_blocks in admission.pulls:
             self._start_pull(worker, request, num_blocks)
@@ -271,6 +277,7 @@ class Simulation:
     def _tokens(self, worker: SimWorker, produced: Produced) -> None:
         flight = self.flights[produced.request.request_id]
         if flight.tokens_out == 0:
+            self.fleet.index.settle(worker.worker_id, flight.request_id, self.now)
             flight.first_token_at = produced.first_at
             flight.cached_tokens = produced.request.cached_tokens or 0
         if flight.tokens_out < 2 <= flight.tokens_out + produced.count:

@@ -125,14 +125,30 @@ def test_a_repeated_prompt_hits_its_full_blocks_but_not_its_last_token():
     assert engine.pool.num_used == 0
 
 
-def test_requests_admitted_together_do_not_hit_each_other():
-    """As in vLLM, blocks are cached once computed, not while a step computes them."""
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_scheduled_before_it():
+    """As in vLLM, whose ``KVCacheManager.allocate_slots`` caches a chunk's full blocks when
+    it schedules them: the forward pass writes each layer's KV before any request reads it."""
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
     for request_id in ("a", "b"):
         engine.submit(engine_request(request_id, tokens(1, 100)))
     first, second = list(engine.waiting)
+    step = engine.schedule()
+    assert [(r.request_id, new) for r, new in step.work] == [("a", 100), ("b", 4)]
+    assert [event.block_hashes for event in engine.pool.take_events()] == [first.block_keys[:6]]
     run_engine(engine)
-    assert (first.cached_tokens, second.cached_tokens) == (0, 0)
+    assert (first.cached_tokens, second.cached_tokens) == (0, 96)
+
+
+def test_a_request_queued_behind_a_chunked_prefill_hits_every_chunk_scheduled_so_far():
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8))
+    prompt = tokens(1, 600)
+    engine.submit(engine_request("leader", prompt))
+    engine.complete(engine.schedule(), 0.0, 1.0)  # the first 256 tokens
+    engine.submit(engine_request("follower", prompt))
+    engine.complete(engine.schedule(), 1.0, 1.0)  # the leader's next 256: the budget is spent
+    step = engine.schedule()  # the leader's last 88 tokens, then the follower on what is left
+    assert [(r.request_id, new) for r, new in step.work] == [("leader", 88), ("follower", 8)]
+    assert step.work[1][0].cached_tokens == 592  # all 37 full blocks, though the leader's last are being computed
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_steps():

@@ -102,7 +102,10 @@ def test_shared_cores_conserve_requests_and_blocks_and_only_slow_things_down(tra
     assert set(statuses) <= {FINISHED, REJECTED}
     assert all(worker.max_blocks_used <= worker.num_blocks for worker in shared.workers)
     finished = lambda result: [r.e2e_seconds for r in result.records if r.status == FINISHED]  # noqa: E731
-    assert sum(finished(shared)) / len(finished(shared)) > sum(finished(free)) / len(finished(free))
+    mean_shared, mean_free = (sum(finished(r)) / len(finished(r)) for r in (shared, free))
+    assert mean_shared >= mean_free or mean_shared == pytest.approx(mean_free)
+    if policy != "local_only":  # its prefill workers stay idle, so no busy engines share a core
+        assert mean_shared > mean_free
 
 
 # ---------------------------------------------------------------- what vLLM reports, what it holds
