@@ -12,16 +12,17 @@ from orchestrator.index_sync import IndexSync
 from orchestrator.worker_client import WorkerError
 
 
+ROLES = ("prefill", "decode")
+
+
 def describe_workers(fleet: Fleet, index: PrefixIndex) -> list[dict]:
     """The workers as the orchestrator sees them (operators, tests, dashboards): those in
     rotation, then those draining, which still finish their requests until they stop."""
     return [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
-             "rpc_address": w.rpc_address, "transfer_address": w.transfer_address, "draining": w.draining, "in_flight": fleet.in_flight(w.worker_id),
-             "index_blocks": index.num_blocks(w.worker_id), "load": msgspec.to_builtins(w.load)}
-            for role in ("prefill", "decode") for w in (*fleet.live(role), *fleet.draining(role))]
-
-
-ROLES = ("prefill", "decode")
+             "rpc_address": w.rpc_address, "transfer_address": w.transfer_address, "draining": w.draining,
+             "in_flight": fleet.in_flight(w.worker_id), "index_blocks": index.num_blocks(w.worker_id),
+             "load": msgspec.to_builtins(w.load)}
+            for role in ROLES for w in (*fleet.live(role), *fleet.draining(role))]
 
 
 async def reset_all_caches(fleet: Fleet, index_sync: IndexSync, roles: tuple[str, ...] = ROLES) -> list[dict]:

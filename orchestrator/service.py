@@ -56,6 +56,18 @@ class Job:
     choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived_at: float = field(default_factory=time.perf_counter)
+    _block_hashes: dict[int, list[identity.BlockHash]] = field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
+
+    def block_hashes(self, block_size: int) -> list[identity.BlockHash]:
+        """The prompt's full blocks, chained in the job's cache namespace, as the index keys
+        them. Hashed once: every re-plan while the job waits for capacity, and the claim
+        after dispatch, read the same list."""
+        hashes = self._block_hashes.get(block_size)
+        if hashes is None:
+            hashes = self._block_hashes[block_size] = identity.block_hashes(self.prompt_token_ids, block_size,
+                                                                            self.cache_salt)
+        return hashes
 
 
 @dataclass
@@ -79,11 +91,6 @@ class _WorkerFailed(Exception):
     def __init__(self, role: str, worker_id: str, error: WorkerError):
         super().__init__(str(error))
         self.role, self.worker_id, self.error = role, worker_id, error
-
-
-def prompt_block_hashes(job: Job, block_size: int) -> list[identity.BlockHash]:
-    """The prompt's full blocks, chained in the job's cache namespace, as the index keys them."""
-    return identity.block_hashes(job.prompt_token_ids, block_size, job.cache_salt)
 
 
 def continuation(job: Job, generated: list[int], attempt: int) -> Job:
@@ -133,7 +140,7 @@ class CompletionService:
         """``excluded``: workers that already failed this job (the registry may not know yet)."""
         block_size = self._block_size()
         self.index.expire_claims(time.monotonic())
-        matches = self.index.match(prompt_block_hashes(job, block_size))
+        matches = self.index.match(job.block_hashes(block_size))
         prefill, decode = self._views("prefill", matches, excluded), self._views("decode", matches, excluded)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
@@ -210,8 +217,8 @@ class CompletionService:
         idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
         self._track(plan, +1)
         prefilling = plan.prefill_worker or plan.decode_worker
-        self._reserve(plan, attempt, prefilling)
-        self._claim(prefilling, attempt)
+        self._reserve(plan, attempt, prefilling, record.block_size)
+        self._claim(prefilling, attempt, record.block_size)
         health: tuple[bool, _WorkerFailed | None] = (False, None)  # unchanged if the client leaves
         try:
             chunks = self._until_prefilled(self._tokens(plan, attempt, handoff), prefilling, attempt)
@@ -259,28 +266,29 @@ class CompletionService:
         return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
                                       job.sampling, job.cache_salt, self.worker_timeout)
 
-    def _reserve(self, plan: Plan, job: Job, prefilling: str) -> None:
+    def _reserve(self, plan: Plan, job: Job, prefilling: str, block_size: int) -> None:
         """Tell the ledger what this request will cost its workers until their next heartbeat."""
         reused = plan.estimate.reused_tokens if plan.estimate else 0
         self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused)
         lifetime_tokens = len(job.prompt_token_ids) + max(job.sampling.max_tokens, 0)
-        self.fleet.ledger.reserved(plan.decode_worker, job.request_id, -(-lifetime_tokens // self._block_size()))
+        self.fleet.ledger.reserved(plan.decode_worker, job.request_id, -(-lifetime_tokens // block_size))
 
-    def _claim(self, prefilling: str, job: Job) -> None:
+    def _claim(self, prefilling: str, job: Job, block_size: int) -> None:
         """Until its KV events say so, the index counts the prompt as cached where it is
         prefilled, so requests sharing its prefix follow it there (``pending_blocks``)."""
         worker = self.fleet.registry.get(prefilling)
         capacity = worker.load.num_total_blocks if worker is not None else 0
-        self.index.claim(prefilling, job.request_id, prompt_block_hashes(job, self._block_size()), capacity,
-                         time.monotonic())
+        self.index.claim(prefilling, job.request_id, job.block_hashes(block_size), capacity, time.monotonic())
 
     async def _until_prefilled(self, chunks: AsyncIterator[wire.GenerateChunk], prefilling: str,
                                job: Job) -> AsyncIterator[wire.GenerateChunk]:
         """Pass chunks through; the first token means the prefilling worker's queue is shorter
         and the prompt's blocks are stored there."""
+        prefilled = False
         async with aclosing(chunks):
             async for chunk in chunks:
-                if chunk.token_ids or chunk.finished:
+                if not prefilled and (chunk.token_ids or chunk.finished):
+                    prefilled = True
                     self.fleet.ledger.prefilled(prefilling, job.request_id)
                     self.index.settle(prefilling, job.request_id, time.monotonic())
                 yield chunk

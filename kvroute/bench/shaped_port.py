@@ -22,7 +22,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
-from kvroute.bench.transfer_netns import ShapingUnavailable, burst_bytes, rate_bits_per_second, shaping_available
+from kvroute.bench.transfer_netns import Shaping, ShapingUnavailable, burst_bytes
 
 DEVICE = "lo"
 _UNSHAPED_RATE = "1000gbit"
@@ -45,31 +45,18 @@ def root_qdisc(device: str = DEVICE) -> str:
 
 
 @dataclass
-class ShapedPort:
+class ShapedPort(Shaping):
     """Rate-limit loopback traffic from ``port`` to ``rate`` (tc spelling: '100mbit')."""
 
     port: int
     rate: str
 
-    def __enter__(self) -> "ShapedPort":
-        reason = shaping_available()
-        if reason:
-            raise ShapingUnavailable(reason)
-        rate_bits_per_second(self.rate)  # refuse a bad rate before anything changes
+    def _prepare(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         existing = root_qdisc()
         if existing != "noqueue":
             raise ShapingUnavailable(f"{DEVICE} already has a root qdisc ({existing}); not replacing it")
-        try:
-            self._create()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
     def _create(self) -> None:
         _tc("qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "20", "r2q", _R2Q)

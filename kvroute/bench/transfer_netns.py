@@ -69,8 +69,41 @@ def namespace_exists(name: str) -> bool:
     return os.path.exists(f"/run/netns/{name}")
 
 
+class Shaping:
+    """Kernel state (namespaces, qdiscs) made on entry and removed on exit, also when making
+    it failed halfway. Subclasses have a ``rate``, check what else they need in
+    ``_prepare`` and implement ``_create`` and an idempotent ``remove``."""
+
+    rate: str
+
+    def __enter__(self):
+        reason = shaping_available()
+        if reason:
+            raise ShapingUnavailable(reason)
+        rate_bits_per_second(self.rate)  # refuse a bad rate before anything is created
+        self._prepare()
+        try:
+            self._create()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _prepare(self) -> None:
+        """Refuse what cannot be made, or clear what a crashed run left; before ``_create``."""
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class ShapedLink:
+class ShapedLink(Shaping):
     """Two namespaces joined by a veth pair, each end shaped to ``rate`` (tc spelling).
 
     ``name`` must be short (interface names take 15 characters); make it unique per run."""
@@ -91,23 +124,10 @@ class ShapedLink:
         return ((self.sender_namespace, f"{self.name}s", SENDER_ADDRESS),
                 (self.receiver_namespace, f"{self.name}r", RECEIVER_ADDRESS))
 
-    def __enter__(self) -> "ShapedLink":
-        reason = shaping_available()
-        if reason:
-            raise ShapingUnavailable(reason)
+    def _prepare(self) -> None:
         if len(self.name) > 14:
             raise ValueError(f"link name {self.name!r} is too long for interface names")
-        rate_bits_per_second(self.rate)  # refuse a bad rate before anything is created
         self.remove()  # a crashed run with the same name may have left its namespaces
-        try:
-            self._create()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
     def _create(self) -> None:
         sides = self._sides()
