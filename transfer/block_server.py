@@ -10,9 +10,9 @@ Protocol over one ROUTER socket (client: a DEALER)::
     PullRecordsRequest ──▶ PullRecordsReply (this engine's recent pulls for a request)
     anything else ──▶ ErrorReply, and the server stays up
 
-A pull may arrive before the engine has granted its lease (grants reach this process
-one engine step after the request finished), so unknown handles are parked briefly
-before being refused; a handle whose lease expired is refused at once.
+A pull may arrive before the engine has granted its lease (a grant reaches this process
+at the start of the engine's next step after the request finished), so unknown handles
+are parked briefly before being refused; a handle whose lease expired is refused at once.
 
 The server thread is also the one place leases expire. An idle engine does not step
 (and a staged lease lets it go idle at once), so expiry cannot wait for the engine. And

@@ -58,11 +58,21 @@ class KVRouteConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Grants, pulls and releases start here, before the step's forward pass.
+
+        vLLM calls ``start_load_kv`` for asynchronous loads only *after* the forward, and
+        on CPU the forward is the whole step: a producer busy with a long prefill chunk
+        would make every consumer wait that long for the lease of a request that had
+        already finished (and its first token already gone out), long enough for parked
+        pulls to be refused and the leases to expire unpulled."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KVRouteConnectorMetadata)
+            self._worker.start(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, KVRouteConnectorMetadata)
-        self._worker.start(metadata)
+        """Loads were started in ``bind_connector_metadata``."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and finish before vLLM schedules the request."""

@@ -108,7 +108,7 @@ class Worker:
 
     async def leases_settled(self) -> bool:
         """Whether every lease this worker handed out has ended (pulled, released, expired).
-        A grant reaches the connector one engine step after its pull source went out, so
+        A grant reaches the connector at the engine's next step after its pull source went out, so
         a count of held leases alone could miss one still on its way."""
         sent = self.server.num_pull_sources_sent
         if sent == 0:

@@ -60,9 +60,9 @@ class WorkerSettings:
     @property
     def long_prefill_step_tokens(self) -> int:
         """A decode worker caps one prompt's share of a step: a recompute or LOCAL prefill
-        that took whole steps would hold every arriving request's KV pull (which starts
-        only between steps) and every running stream's next token for seconds on CPU, and
-        held pulls let producers' leases expire. Alone, a prompt still gets the full budget."""
+        that took whole steps would hold every arriving request's KV pull (which starts,
+        and is reported done, only at a step boundary) and every running stream's next
+        token for seconds on CPU, and held pulls let producers' leases expire. Alone, a prompt still gets the full budget."""
         if self.long_prefill_tokens is not None:
             return self.long_prefill_tokens
         return DECODE_LONG_PREFILL_TOKENS if self.role == "decode" else 0

@@ -1,5 +1,7 @@
-"""A decode worker that never pulls: the real prefill worker frees the held blocks when the
-lease expires, whether the lease was staged to host memory or held in the engine.
+"""A lease's life on a real prefill worker: it is servable as soon as the engine's next
+step starts, however long that step computes, and when no decode worker pulls it, it
+expires and frees the held blocks, whether it was staged to host memory or held in the
+engine.
 
 The worker runs with a short lease and a staging budget of a few blocks, so a short
 prompt's lease is staged (the engine goes idle at once) and a long one's stays in place
@@ -19,7 +21,7 @@ import zmq
 from kvroute import wire
 from orchestrator.worker_client import WorkerClient
 from tests.cluster import START_TIMEOUT, collect, start_worker, wait_idle, wait_staged
-from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks
+from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks, release_lease
 
 LEASE_SECONDS = 3.0
 STAGING_GIB = 0.03  # five blocks of SmolLM2 in float32 (5.9 MB each)
@@ -60,7 +62,7 @@ async def hold_unpulled(client: WorkerClient, request_id: str, prompt: list[int]
 
 
 async def wait_granted(client: WorkerClient, timeout: float = 10.0) -> wire.WorkerStats:
-    """The grant reaches the endpoint one engine step after the request finished."""
+    """The grant reaches the endpoint at the start of the engine's next step."""
     deadline = time.monotonic() + timeout
     while True:
         stats = await client.stats()
@@ -134,3 +136,46 @@ async def test_late_pull_of_an_expired_lease_is_refused_and_the_worker_stays_up(
         request_id="after-late-pull", prompt_token_ids=prompt, sampling=wire.SamplingSpec(max_tokens=4))))
     assert len(tokens) == 4
     assert producer.process.poll() is None
+
+
+async def test_a_lease_is_servable_while_the_next_step_still_computes(client, producer):
+    """A finishes in the step where B's prefill begins; the next step computes the rest of
+    B (~2,000 tokens, a second or more on CPU). A's lease must be granted before that
+    forward pass, not after it: a consumer pulling right after A's first token would
+    otherwise wait the whole step, or be refused once its parked pull gives up."""
+    before = await wait_idle(client)
+    first = [20000 + i % 5000 for i in range(2100)]  # step 1: 2,048 tokens; step 2: the last 52
+    second = [26000 + i % 5000 for i in range(4000)]  # step 2: ~2,000 tokens; step 3: the rest
+    sampling = wire.SamplingSpec(max_tokens=1, temperature=0.0)
+    first_stream = client.generate(wire.GenerateRequest(
+        request_id="granted-mid-step", prompt_token_ids=first, hold_blocks=True, sampling=sampling))
+    first_chunks = asyncio.ensure_future(_chunks(first_stream))
+    await asyncio.sleep(0.05)  # one connection, in order: the short request is queued first
+    second_done = asyncio.ensure_future(_chunks(client.generate(wire.GenerateRequest(
+        request_id="long-next-step", prompt_token_ids=second, sampling=sampling))))
+
+    try:
+        source = (await first_chunks)[-1].pull_source
+        first_token_at = time.monotonic()
+        assert source is not None, "the held request returned no pull source"
+        context = zmq.Context.instance()
+        layout = fetch_transfer_stats(context, producer.transfer_address).layout
+        await asyncio.to_thread(pull_blocks, context, source, [0], layout, lambda layer, data: None,
+                                time.monotonic() + 30)
+        pulled_after = time.monotonic() - first_token_at
+        assert release_lease(context, producer.transfer_address, source.handle, "test")
+        assert not second_done.done(), "the long request finished before the pull; the step was too short to tell"
+        await second_done
+        next_step_took = time.monotonic() - first_token_at
+    finally:
+        second_done.cancel()
+        await asyncio.gather(second_done, return_exceptions=True)
+    assert pulled_after < 0.5 * next_step_took, (
+        f"the pull waited {pulled_after:.2f} s of a {next_step_took:.2f} s step for its lease")
+
+    after = await wait_idle(client)
+    assert after.transfer.active_leases == 0 and after.transfer.leases_expired == before.transfer.leases_expired
+
+
+async def _chunks(stream) -> list[wire.GenerateChunk]:
+    return [chunk async for chunk in stream]
