@@ -78,14 +78,17 @@ class DecisionRecord:
 
 
 class DecisionLog:
-    """Bounded, most recent last. Single writer: the event loop."""
+    """Bounded, most recent last. Single writer: the event loop.
+
+    One record per placement: a request moved after a worker failed keeps the record of
+    each worker it ran on (the continuation's request id ends in ``-m<n>``), in order."""
 
     def __init__(self, capacity: int = 2000):
         self.capacity = capacity
-        self._records: OrderedDict[tuple[str, int], DecisionRecord] = OrderedDict()
+        self._records: OrderedDict[tuple[str, int, str], DecisionRecord] = OrderedDict()
 
     def add(self, record: DecisionRecord) -> None:
-        self._records[(record.response_id, record.choice_index)] = record
+        self._records[(record.response_id, record.choice_index, record.request_id)] = record
         while len(self._records) > self.capacity:
             self._records.popitem(last=False)
 
@@ -94,7 +97,7 @@ class DecisionLog:
             logger.info("%s", _record_encoder.encode(record).decode())
 
     def by_response(self, response_id: str) -> list[DecisionRecord]:
-        return [r for (rid, _), r in self._records.items() if rid == response_id]
+        return [r for (rid, _, _), r in self._records.items() if rid == response_id]
 
     def recent(self, limit: int) -> list[DecisionRecord]:
         return list(self._records.values())[-limit:][::-1]

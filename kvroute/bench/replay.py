@@ -185,7 +185,7 @@ async def attach_decision(client: httpx.AsyncClient, target: ReplayTarget, row: 
         reply = await client.get(f"{target.url}/v1/decisions/{row.response_id}", headers=target.headers(row.policy))
         if reply.status_code != 200:
             return
-        record = reply.json()["data"][0]
+        record = reply.json()["data"][-1]  # a moved request's last placement is the one that finished it
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         return
     apply_decision(row, record)
