@@ -56,22 +56,35 @@ class DecisionRecord:
     reason: str
     chosen: dict | None
     alternatives: list[dict]
+    # Of the predicted reuse, the part the engine had reported stored when the plan was
+    # made; the rest was claimed for requests still prefilling there (pending_blocks).
+    predicted_stored_tokens: int = 0
     created_at: float = field(default_factory=time.time)
     actual: Actual = field(default_factory=Actual)
 
     @classmethod
     def from_decision(cls, decision: Decision, response_id: str, choice_index: int, request_id: str,
-                      prompt_tokens: int, block_size: int) -> "DecisionRecord":
+                      prompt_tokens: int, block_size: int, stored_tokens: int) -> "DecisionRecord":
+        """``stored_tokens``: the leading prompt tokens the prefilling worker had reported stored."""
         chosen = decision.chosen
         predicted = chosen.estimate.reused_tokens if chosen and chosen.estimate else 0
         return cls(response_id, choice_index, request_id, decision.policy, prompt_tokens, block_size, predicted,
                    decision.reason, plan_summary(chosen) if chosen else None,
-                   [plan_summary(p) for p in decision.alternatives if p is not chosen])
+                   [plan_summary(p) for p in decision.alternatives if p is not chosen],
+                   predicted_stored_tokens=min(stored_tokens, predicted))
 
     def index_overestimated(self) -> bool:
-        """The index promised reuse that the engine did not deliver (stale entries)."""
+        """The engine lacked blocks it had reported stored: the index is stale."""
+        return self._reused_below(self.predicted_stored_tokens)
+
+    def claim_overestimated(self) -> bool:
+        """The engine lacked claimed blocks only: the request that claimed them had not
+        stored them in time (same step, still queued, evicted, or moved), not a stale index."""
+        return self._reused_below(self.predicted_reused_tokens) and not self.index_overestimated()
+
+    def _reused_below(self, predicted: int) -> bool:
         reused = self.actual.reused_tokens
-        return reused is not None and reused + self.block_size <= self.predicted_reused_tokens
+        return reused is not None and reused + self.block_size <= predicted
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,7 +1,9 @@
 """Estimate vs actual, fed back: stale index entries get resynced, timings calibrate the model.
 
-A predicted hit that did not happen means the index was stale for that worker, so the
-worker's entries are reloaded from its snapshot. Prefill timings are taken only from
+A predicted hit on blocks the engine had reported stored that did not happen means the
+index was stale for that worker, so the worker's entries are reloaded from its snapshot.
+A miss on blocks only claimed for a request still prefilling there is counted, not
+resynced: the index was right, the earlier request had not stored them in time. Prefill timings are taken only from
 requests that found their workers idle, where TTFT is (almost) pure prefill time.
 Link estimates come from the pulls the decode workers' connectors timed.
 """
@@ -29,9 +31,14 @@ class Feedback:
         prefilling = plan.prefill_worker if plan.kind is PlanKind.DISAGG else plan.decode_worker
         if record.index_overestimated():
             self.metrics.index_mispredictions.labels(prefilling).inc()
-            logger.warning("index predicted %d reused tokens on %s, engine reused %d; resyncing",
-                           record.predicted_reused_tokens, prefilling, record.actual.reused_tokens)
+            logger.warning("index had %d tokens stored on %s, engine reused %d; resyncing",
+                           record.predicted_stored_tokens, prefilling, record.actual.reused_tokens)
             self.index_sync.request_resync(prefilling)
+        elif record.claim_overestimated():
+            self.metrics.claim_misses.labels(prefilling).inc()
+            logger.info("request %s expected %d tokens on %s (%d claimed), engine reused %d",
+                        record.request_id, record.predicted_reused_tokens, prefilling,
+                        record.predicted_reused_tokens - record.predicted_stored_tokens, record.actual.reused_tokens)
         actual = record.actual
         if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
             self.calibration.observe_link(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,

@@ -172,6 +172,16 @@ class PrefixIndex:
         self._record(active, len(block_hashes), matched)
         return matched
 
+    def stored_prefix(self, worker_id: str, block_hashes: list[identity.BlockHash]) -> int:
+        """How many leading blocks the worker's engine reported stored (claims not counted)."""
+        entries = self._workers.get(worker_id)
+        if entries is None:
+            return 0
+        for position, block_hash in enumerate(block_hashes):
+            if not self._owners.get(block_hash, 0) & entries.bit:
+                return position
+        return len(block_hashes)
+
     def _record(self, bits: int, length: int, matched: dict[str, int]) -> None:
         while bits:
             lowest = bits & -bits

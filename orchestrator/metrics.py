@@ -46,6 +46,9 @@ class Metrics:
         self.index_mispredictions = Counter("kvroute_index_mispredictions",
                                             "requests that reused fewer tokens than the index predicted",
                                             ["worker"], registry=r)
+        self.claim_misses = Counter("kvroute_claim_misses",
+                                    "requests that reused fewer tokens than claimed for a request prefilling there",
+                                    ["worker"], registry=r)
         self.index_blocks = Gauge("kvroute_index_blocks", "blocks indexed per worker", ["worker"], registry=r)
         self.evicted_blocks = Counter("kvroute_evicted_blocks",
                                       "blocks a worker's engine evicted from its prefix cache (from its KV events)",

@@ -150,8 +150,11 @@ class CompletionService:
         decision = policy.decide(request, prefill, decode, self.calibration.calibrated_model(time.monotonic()))
         if decision.chosen is None:
             return decision, None
+        chosen = decision.chosen
+        stored = self.index.stored_prefix(chosen.prefill_worker or chosen.decode_worker,
+                                          job.block_hashes(block_size))
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
-                                              len(job.prompt_token_ids), block_size)
+                                              len(job.prompt_token_ids), block_size, stored * block_size)
         self.decisions.add(record)
         return decision, record
 

@@ -54,6 +54,18 @@ def test_stored_and_claimed_blocks_join_into_one_prefix():
     assert index.match(hashes(PROMPT)) == {"w1": 6}
 
 
+def test_the_stored_prefix_leaves_claims_out():
+    """What the engine reported, for telling a stale index from a claim not yet stored."""
+    index, engine = index_of("w1", "w2"), FakeEngine(1)
+    index.apply("w1", engine.store(PROMPT, S, last=2))
+    claim(index, "w1", "r2", PROMPT)
+    assert index.match(hashes(PROMPT)) == {"w1": 6}
+    assert index.stored_prefix("w1", hashes(PROMPT)) == 2
+    assert index.stored_prefix("w2", hashes(PROMPT)) == 0 and index.stored_prefix("gone", hashes(PROMPT)) == 0
+    index.apply("w1", engine.store(PROMPT, S, first=2))
+    assert index.stored_prefix("w1", hashes(PROMPT)) == 6
+
+
 def test_a_confirmed_block_is_followed_by_the_index_from_then_on():
     index, engine = index_of("w1"), FakeEngine(1)
     claim(index, "w1", "r1", PROMPT)

@@ -1,0 +1,76 @@
+"""Estimate vs actual, fed back: which misses reload a worker's index, which only count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orchestrator.decisions import DecisionRecord
+from orchestrator.feedback import Feedback
+from orchestrator.metrics import Metrics
+from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.views import Decision, Estimate, Plan, PlanKind
+
+BLOCK = 128
+
+
+class RecordingSync:
+    def __init__(self):
+        self.resynced: list[str] = []
+
+    def request_resync(self, worker_id: str) -> None:
+        self.resynced.append(worker_id)
+
+
+def feedback() -> tuple[Feedback, RecordingSync, Metrics]:
+    sync, metrics = RecordingSync(), Metrics()
+    return Feedback(sync, Calibration(), metrics), sync, metrics
+
+
+def disagg() -> Plan:
+    return Plan(kind=PlanKind.DISAGG, prefill_worker="prefill-a", decode_worker="decode-a")
+
+
+def record(predicted: int, stored: int, reused: int) -> DecisionRecord:
+    result = DecisionRecord(response_id="chatcmpl-1", choice_index=0, request_id="req", policy="cache_aware",
+                            prompt_tokens=1300, block_size=BLOCK, predicted_reused_tokens=predicted, reason="test",
+                            chosen=None, alternatives=[], predicted_stored_tokens=stored)
+    result.actual.reused_tokens = reused
+    return result
+
+
+def count(metrics: Metrics, name: str, worker: str) -> float:
+    return metrics.registry.get_sample_value(f"{name}_total", {"worker": worker}) or 0.0
+
+
+def test_missing_blocks_the_engine_had_reported_stored_reload_its_index():
+    loop, sync, metrics = feedback()
+    loop.observe(disagg(), record(predicted=1152, stored=1152, reused=640), idle_at_start=False)
+    assert sync.resynced == ["prefill-a"]
+    assert count(metrics, "kvroute_index_mispredictions", "prefill-a") == 1
+    assert count(metrics, "kvroute_claim_misses", "prefill-a") == 0
+
+
+def test_missing_blocks_that_were_only_claimed_count_without_a_reload():
+    loop, sync, metrics = feedback()
+    loop.observe(disagg(), record(predicted=1152, stored=512, reused=512), idle_at_start=False)
+    assert sync.resynced == []
+    assert count(metrics, "kvroute_claim_misses", "prefill-a") == 1
+    assert count(metrics, "kvroute_index_mispredictions", "prefill-a") == 0
+
+
+def test_a_miss_within_one_block_is_no_miss():
+    loop, sync, metrics = feedback()
+    loop.observe(disagg(), record(predicted=1152, stored=1152, reused=1152 - BLOCK + 1), idle_at_start=False)
+    loop.observe(disagg(), record(predicted=1152, stored=1152, reused=1152), idle_at_start=False)
+    assert sync.resynced == []
+    assert count(metrics, "kvroute_claim_misses", "prefill-a") == 0
+
+
+def test_the_stored_part_of_a_prediction_never_exceeds_the_prediction():
+    estimate = Estimate(queue_wait=0.0, prefill=1.0, transfer=0.01, ttft=1.0, gap=0.05, reused_tokens=1024,
+                        transfer_bytes=0)
+    plan = dataclasses.replace(disagg(), estimate=estimate)
+    decision = Decision(policy="cache_aware", chosen=plan, alternatives=(plan,), reason="test")
+    made = DecisionRecord.from_decision(decision, "chatcmpl-2", 0, "req-2", 1300, BLOCK, stored_tokens=1280)
+    assert (made.predicted_reused_tokens, made.predicted_stored_tokens) == (1024, 1024)
+    assert made.alternatives == []
