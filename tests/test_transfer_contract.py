@@ -6,6 +6,7 @@ Parametrized over KV dtypes and layouts (block dimension first or second).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -293,6 +294,26 @@ def test_the_server_expires_leases_on_its_own_clock(producer, context):
     assert producer.leases.take_ended_request_ids() == {"req-due"}
     counters = fetch_transfer_stats(context, producer.address).counters
     assert counters.leases_expired == 1 and counters.active_leases == 0
+
+
+def test_an_expiry_says_whether_the_lease_was_pulled(producer, consumer, context, caplog):
+    """A pulled lease that expires lost its acknowledgement; an unpulled one, its consumer."""
+    caplog.set_level(logging.WARNING, logger="kvroute.transfer.server")
+    expires_at = time.monotonic() + 0.5
+    pulled = Lease(handle=secrets.token_hex(16), request_id="req-pulled", block_ids=(1,), num_tokens=BLOCK_SIZE,
+                   expires_at=expires_at)
+    unpulled = Lease(handle=secrets.token_hex(16), request_id="req-unpulled", block_ids=(2,),
+                     num_tokens=BLOCK_SIZE, expires_at=expires_at)
+    producer.leases.grant(pulled)
+    producer.leases.grant(unpulled)
+    pull_into(context, consumer, producer.source(pulled.handle), [0], [0])
+    deadline = time.monotonic() + 3
+    while len(producer.leases):
+        assert time.monotonic() < deadline, "the server never expired the leases"
+        time.sleep(0.02)
+    messages = {record.getMessage() for record in caplog.records}
+    assert "lease for request req-pulled was pulled but never acknowledged; freeing its blocks at expiry" in messages
+    assert "lease for request req-unpulled expired unpulled; freeing its blocks" in messages
 
 
 # ---------------------------------------------------------------- release and stats

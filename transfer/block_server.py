@@ -70,6 +70,7 @@ class BlockServer:
         self._socket.bind(bind_address)
         self._buffers = SendBufferPool()
         self._parked: list[_ParkedPull] = []
+        self._served: set[str] = set()  # live leases pulled at least once (only this thread touches it)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvroute-block-server", daemon=True)
 
@@ -99,7 +100,12 @@ class BlockServer:
 
     def _expire_leases(self, now: float) -> None:
         for lease in self.leases.expire(now):
-            logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
+            if lease.handle in self._served:
+                self._served.discard(lease.handle)
+                logger.warning("lease for request %s was pulled but never acknowledged; freeing its blocks "
+                               "at expiry", lease.request_id)
+            else:
+                logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -120,11 +126,13 @@ class BlockServer:
             self._start_pull(identity, message)
         elif isinstance(message, wire.ReleaseLease):
             released = self.leases.release(message.handle)
+            self._served.discard(message.handle)
             if released:
                 logger.debug("lease released (%s)", message.reason)
             self._reply(identity, wire.ReleaseReply(released=released))
         elif isinstance(message, wire.ReleaseAllLeases):
             count = self.leases.release_all()
+            self._served.clear()
             logger.info("released all %d leases (%s)", count, message.reason)
             self._reply(identity, wire.ReleaseReply(released=count > 0, count=count))
         elif isinstance(message, wire.PullRecordsRequest):
@@ -180,6 +188,7 @@ class BlockServer:
             self._send_staged(identity, lease.staged, request.block_indices)
         else:
             self._send_layers(identity, block_ids)
+        self._served.add(lease.handle)
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks, leased: tuple[int, ...]) -> list[int]:

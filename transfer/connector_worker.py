@@ -135,7 +135,9 @@ class ConnectorWorker:
             self._finish(load.request_id, failed=True)
             return
         self._finish(load.request_id, failed=False)  # the request runs on; the ack need not wait
-        release_lease(self._context, load.source.address, load.source.handle, "ack")
+        if not release_lease(self._context, load.source.address, load.source.handle, "ack"):
+            logger.warning("producer %s did not confirm the release of request %s's lease; it frees the "
+                           "blocks when the lease expires", load.source.address, load.request_id)
 
     def _record(self, load: LoadSpec, nbytes: int, started: float, ok: bool) -> None:
         self.pull_records.add(PullRecord(request_id=load.request_id, source=load.source.address,
