@@ -177,8 +177,9 @@ class PrefixIndex:
         entries = self._workers.get(worker_id)
         if entries is None:
             return 0
+        mask = 1 << entries.bit
         for position, block_hash in enumerate(block_hashes):
-            if not self._owners.get(block_hash, 0) & entries.bit:
+            if not self._owners.get(block_hash, 0) & mask:
                 return position
         return len(block_hashes)
 
