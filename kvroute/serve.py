@@ -27,6 +27,7 @@ from kvroute.model_prep import resolve_model
 from kvroute.netutil import free_port
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
+from transfer.link_names import ENDPOINT, LINK_CHOICES
 
 logger = logging.getLogger("kvroute.serve")
 
@@ -41,15 +42,20 @@ class PoolSettings:
                                  "bf16 instructions (GPUs, AVX512-BF16/AMX CPUs), else float32")
     worker_start_timeout: float = setting(600.0, "seconds to wait for the workers to register")
     log_dir: str = setting("", "folder for the workers' logs; default: a new temporary folder")
+    transfer_link: str = setting(ENDPOINT, "how pulled KV travels: endpoint (back on the pull's own "
+                                           "connection) or a transport link per worker pair: auto, "
+                                           "zmq-tcp, zmq-ipc, gloo, nccl")
 
     def __post_init__(self):
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker")
+        if self.transfer_link not in LINK_CHOICES:
+            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {self.transfer_link!r}")
 
 
 def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, core: int) -> list[str]:
     return ["--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(pool.kv_cache_gib),
-            "--max-model-len", str(orchestrator.max_model_len),
+            "--max-model-len", str(orchestrator.max_model_len), "--transfer-link", pool.transfer_link,
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get a core each, not all of them each.
             "--omp-threads-bind", str(core)]

@@ -155,6 +155,7 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     active_pulls: int = 0
     leases_staged: int = 0  # leases copied to host buffers, so the engine freed their blocks
     staged_bytes: int = 0  # host bytes held (or being copied) for staged leases now
+    links_opened: int = 0  # transport links this end accepted (producer) or opened (consumer)
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -307,6 +308,27 @@ class LinkSetup(_Message, tag="link_setup"):
     error: str = ""  # set when the sender could not host; the receiver fails at once
 
 
+class OpenLink(_Message, tag="open_link"):
+    """A consumer opens a transport link to a producer's transfer endpoint: ``payload`` is
+    its first-contact message (an encoded ``LinkHello``); the producer answers on the same
+    connection with its own hello and a ``LinkSetup`` (``transfer.link_control``)."""
+
+    link_id: str
+    payload: bytes
+
+
+class PullOverLink(_Message, tag="pull_link"):
+    """``PullBlocks`` whose layers travel over the consumer's open link ``link_id``
+    instead of this connection; the header still comes back here. ``transfer_id`` numbers
+    the link's transfers, so both ends agree which one the frames belong to."""
+
+    handle: str
+    block_indices: list[int]
+    layout: KVLayoutSpec
+    link_id: str
+    transfer_id: int
+
+
 Message = Union[
     GenerateRequest,
     AbortRequest,
@@ -331,6 +353,8 @@ Message = Union[
     PullRecordsReply,
     LinkHello,
     LinkSetup,
+    OpenLink,
+    PullOverLink,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +25,19 @@ START_TIMEOUT = 600
 def start_worker(role: str, log_dir, core: str, extra: list[str] = ()) -> LaunchedWorker:
     model = resolve_model(None)
     return launch_worker(role, ["--model", model, *ENGINE_ARGS, "--omp-threads-bind", core, *extra], log_dir)
+
+
+@contextlib.contextmanager
+def running_workers(log_dir, specs: list[tuple[str, str, list[str]]]):
+    """Start workers (role, core, extra flags), wait until all serve, stop them all after."""
+    workers = [start_worker(role, log_dir, core, extra) for role, core, extra in specs]
+    try:
+        for worker in workers:
+            worker.wait_ready(START_TIMEOUT)
+        yield {w.role: w for w in workers}
+    finally:
+        for worker in workers:
+            worker.stop()
 
 
 @dataclass

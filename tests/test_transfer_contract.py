@@ -6,6 +6,7 @@ Parametrized over KV dtypes and layouts (block dimension first or second).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -22,6 +23,7 @@ from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
+from transfer.transports.settings import TransportSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,13 +66,21 @@ def block_bytes(cache: PagedKVCache, layer: int, block_id: int) -> torch.Tensor:
 
 
 class Producer:
-    def __init__(self, dtype: torch.dtype, layout: str):
+    def __init__(self, dtype: torch.dtype, layout: str, link_settings: TransportSettings | None = None):
         self.cache = make_cache(dtype, layout, PRODUCER_BLOCKS, seed=1234)
         self.leases = LeaseTable()
         self.counters = Counters()
         self.address = tcp("127.0.0.1", free_port())
         self.server = BlockServer(self.address, self.cache, self.leases, self.counters,
-                                  park_seconds=PARK_SECONDS)
+                                  park_seconds=PARK_SECONDS, link_settings=link_settings)
+
+    @contextlib.contextmanager
+    def serving(self):
+        self.server.start()
+        try:
+            yield self
+        finally:
+            self.server.stop()
 
     def lease(self, block_ids, request_id: str | None = None, grant: bool = True) -> tuple[Lease, wire.PullSource]:
         handle = secrets.token_hex(16)
@@ -101,12 +111,8 @@ def dtype(dtype_name):
 
 @pytest.fixture
 def producer(dtype, layout):
-    producer = Producer(dtype, layout)
-    producer.server.start()
-    try:
+    with Producer(dtype, layout).serving() as producer:
         yield producer
-    finally:
-        producer.server.stop()
 
 
 @pytest.fixture

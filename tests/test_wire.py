@@ -157,6 +157,24 @@ LINK_SETUP_HEX = (
     "a56572726f72" "a0"  # error: ""
 )
 
+OPEN_LINK = wire.OpenLink(link_id="abababab", payload=b"\x01\x02")
+OPEN_LINK_HEX = (
+    "83"
+    "a474797065" "a96f70656e5f6c696e6b"  # type: "open_link"
+    "a76c696e6b5f6964" "a86162616261626162"  # link_id: "abababab"
+    "a77061796c6f6164" "c4020102"  # payload: bin 01 02
+)
+
+PULL_OVER_LINK = wire.PullOverLink(handle="ff" * 16, block_indices=[0, 2], layout=PULL_BLOCKS.layout,
+                                   link_id="abababab", transfer_id=3)
+PULL_OVER_LINK_HEX = (
+    "86"
+    "a474797065" "a970756c6c5f6c696e6b"  # type: "pull_link"
+    + PULL_BLOCKS_HEX[2 + len("a474797065" "a470756c6c"):]  # handle, block_indices, layout as in PullBlocks
+    + "a76c696e6b5f6964" "a86162616261626162"  # link_id: "abababab"
+    "ab7472616e736665725f6964" "03"  # transfer_id: 3
+)
+
 GOLDEN = [
     pytest.param(GENERATE_REQUEST, GENERATE_REQUEST_HEX, id="GenerateRequest"),
     pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
@@ -165,6 +183,8 @@ GOLDEN = [
     pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
     pytest.param(LINK_HELLO, LINK_HELLO_HEX, id="LinkHello"),
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
+    pytest.param(OPEN_LINK, OPEN_LINK_HEX, id="OpenLink"),
+    pytest.param(PULL_OVER_LINK, PULL_OVER_LINK_HEX, id="PullOverLink"),
 ]
 
 

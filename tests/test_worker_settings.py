@@ -36,3 +36,20 @@ def test_long_prefill_flag(monkeypatch):
     args = parser.parse_args(["--model", "/models/m", "--long-prefill-tokens", "128"])
     assert settings_from_args(args, "decode").long_prefill_tokens == 128
     assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").long_prefill_tokens is None
+
+
+def test_transfer_link_flag_reaches_the_connector(monkeypatch):
+    import argparse
+
+    from kvroute.worker.engine import kv_transfer_config
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
+    settings = settings_from_args(parser.parse_args(["--model", "/models/m", "--transfer-link", "gloo"]), "decode")
+    assert settings.transfer_link == "gloo"
+    assert kv_transfer_config(settings.with_ports()).kv_connector_extra_config["transfer_link"] == "gloo"
+    assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").transfer_link == "endpoint"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/models/m", "--transfer-link", "carrier-pigeon"])

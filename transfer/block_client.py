@@ -66,10 +66,8 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
     """
     channel = _Channel(context, source.address, deadline)
     try:
-        channel.send(wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout))
-        header = channel.receive_message()
-        if not isinstance(header, wire.PullHeader) or not header.ok:
-            raise PullFailed(f"producer refused the pull: {getattr(header, 'error', header)}")
+        header = _request_pull(channel, wire.PullBlocks(handle=source.handle, block_indices=list(block_indices),
+                                                        layout=layout))
         expected = len(block_indices) * layout.bytes_per_block // layout.num_layers
         for layer in range(header.num_layers):
             frame = channel.receive_frame()
@@ -81,6 +79,26 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
         raise PullFailed(str(error)) from error
     finally:
         channel.close()
+
+
+def pull_exchange(context: zmq.Context, address: str, request: wire.PullOverLink, deadline: float) -> wire.PullHeader:
+    """Ask for a pull whose layers travel elsewhere (``transfer.link_control``): only the
+    header comes back here. Raises PullFailed on refusal or the deadline."""
+    channel = _Channel(context, address, deadline)
+    try:
+        return _request_pull(channel, request)
+    except wire.WireError as error:
+        raise PullFailed(str(error)) from error
+    finally:
+        channel.close()
+
+
+def _request_pull(channel: _Channel, request: wire.PullBlocks | wire.PullOverLink) -> wire.PullHeader:
+    channel.send(request)
+    header = channel.receive_message()
+    if not isinstance(header, wire.PullHeader) or not header.ok:
+        raise PullFailed(f"producer refused the pull: {getattr(header, 'error', header)}")
+    return header
 
 
 def release_lease(context: zmq.Context, address: str, handle: str, reason: str,

@@ -5,6 +5,8 @@ reads; a staged lease (see ``transfer.leases``) is served from its own host copy
 Protocol over one ROUTER socket (client: a DEALER)::
 
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
+    OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
+    PullOverLink ──▶ PullHeader(ok), the layers as one transfer over the consumer's link
     ReleaseLease ──▶ ReleaseReply
     TransferStatsRequest ──▶ TransferStatsReply
     PullRecordsRequest ──▶ PullRecordsReply (this engine's recent pulls for a request)
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -35,16 +38,25 @@ from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.leases import LeaseTable
+from transfer.link_control import LINK_OPEN_SECONDS, ProducerControl
 from transfer.pull_records import PullRecords
 from transfer.send_buffers import SendBufferPool, send_frame
+from transfer.transports.base import Sender
+from transfer.transports.errors import TransportError
+from transfer.transports.links import open_sender
+from transfer.transports.settings import TransportSettings
 
 logger = logging.getLogger("kvroute.transfer.server")
+
+
+MAX_LINKS = 64  # one per consumer that pulled from here; the oldest closes first
+LINK_SEND_SECONDS = 10.0  # as a consumer's pull deadline: it stops waiting by then
 
 
 @dataclass
 class _ParkedPull:
     identity: bytes
-    request: wire.PullBlocks
+    request: wire.PullBlocks | wire.PullOverLink
     give_up_at: float
 
 
@@ -56,8 +68,10 @@ class BlockServer:
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
                  counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None,
-                 context: zmq.Context | None = None, cpus: list[int] | None = None):
-        """``cpus``: where the server thread runs (default: where its creator runs)."""
+                 context: zmq.Context | None = None, cpus: list[int] | None = None,
+                 link_settings: TransportSettings | None = None):
+        """``cpus``: where the server thread runs (default: where its creator runs);
+        ``link_settings``: this end's side of the links consumers open (default: automatic)."""
         self.cache = cache
         self.pull_records = pull_records or PullRecords()
         self.leases = leases
@@ -71,6 +85,8 @@ class BlockServer:
         self._buffers = SendBufferPool()
         self._parked: list[_ParkedPull] = []
         self._served: set[str] = set()  # live leases pulled at least once (only this thread touches it)
+        self.link_settings = link_settings or TransportSettings()
+        self._links: OrderedDict[str, Sender] = OrderedDict()  # by the consumer's link id
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvroute-block-server", daemon=True)
 
@@ -80,6 +96,8 @@ class BlockServer:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=2)
+        for sender in self._links.values():
+            sender.close()
         self._socket.close(linger=0)
 
     def _run(self) -> None:
@@ -122,8 +140,10 @@ class BlockServer:
             self._reply(identity, wire.ErrorReply(request_id=None, code="internal", message=str(error)))
 
     def _dispatch(self, identity: bytes, message: wire.Message) -> None:
-        if isinstance(message, wire.PullBlocks):
+        if isinstance(message, (wire.PullBlocks, wire.PullOverLink)):
             self._start_pull(identity, message)
+        elif isinstance(message, wire.OpenLink):
+            self._open_link(identity, message)
         elif isinstance(message, wire.ReleaseLease):
             released = self.leases.release(message.handle)
             self._served.discard(message.handle)
@@ -150,7 +170,23 @@ class BlockServer:
                                       leases_released=leases.num_released, leases_expired=leases.num_expired,
                                       leases_staged=leases.num_staged, staged_bytes=leases.staged_bytes)
 
-    def _start_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
+    def _open_link(self, identity: bytes, message: wire.OpenLink) -> None:
+        """Run the link's first contact inline: a few small messages, and for a
+        torch.distributed link the wait for the consumer to join its group."""
+        control = ProducerControl(self._socket, identity, message.payload)
+        try:
+            sender = open_sender(control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
+                                 self.link_settings, zmq_context=self._context)
+        except (TransportError, LayoutMismatch) as error:
+            logger.warning("refused a transfer link: %s", error)
+            return
+        self._links[message.link_id] = sender
+        self.counters.add(links_opened=1)
+        while len(self._links) > MAX_LINKS:
+            self._links.popitem(last=False)[1].close()
+        logger.info("opened a %s link to a consumer (%d open)", sender.backend, len(self._links))
+
+    def _start_pull(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink) -> None:
         if self.leases.has_expired(request.handle):
             self._refuse(identity, "lease expired before this pull; its blocks are freed")
             return
@@ -171,7 +207,7 @@ class BlockServer:
             else:
                 self._parked.append(parked)
 
-    def _serve_pull(self, identity: bytes, request: wire.PullBlocks) -> None:
+    def _serve_pull(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink) -> None:
         lease = self.leases.get(request.handle)
         if lease is None:
             self._refuse(identity, "unknown or expired handle")
@@ -182,16 +218,25 @@ class BlockServer:
         except (LayoutMismatch, IndexError) as error:
             self._refuse(identity, str(error))
             return
+        link = None
+        if isinstance(request, wire.PullOverLink):
+            link = self._links.get(request.link_id)
+            if link is None or link.closed:
+                self._links.pop(request.link_id, None)
+                self._refuse(identity, "unknown or closed link; open a new one")
+                return
         self._reply(identity, wire.PullHeader(ok=True, num_blocks=len(block_ids),
                                               num_layers=self.cache.spec.num_layers))
-        if lease.staged is not None:
+        if link is not None:
+            self._send_over_link(link, request, lease, block_ids)
+        elif lease.staged is not None:
             self._send_staged(identity, lease.staged, request.block_indices)
         else:
             self._send_layers(identity, block_ids)
         self._served.add(lease.handle)
 
     @staticmethod
-    def _checked_indices(request: wire.PullBlocks, leased: tuple[int, ...]) -> list[int]:
+    def _checked_indices(request: wire.PullBlocks | wire.PullOverLink, leased: tuple[int, ...]) -> list[int]:
         for index in request.block_indices:
             if not 0 <= index < len(leased):
                 raise IndexError(f"block index {index} outside the lease's {len(leased)} blocks")
@@ -205,6 +250,25 @@ class BlockServer:
             self.cache.gather_layer(layer, index, buffer)
             self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
         self.counters.add(bytes_sent=nbytes * self.cache.spec.num_layers, blocks_sent=len(block_ids))
+
+    def _send_over_link(self, link: Sender, request: wire.PullOverLink, lease, block_ids: list[int]) -> None:
+        """One transfer over the consumer's link, gathered layer by layer into the link's
+        own buffers; a failure closes the link (the consumer opens a new one)."""
+        cache = self.cache
+        if lease.staged is not None:
+            positions = block_index_tensor(request.block_indices)
+            fill = lambda layer, out: cache.select_from_copy(lease.staged[layer], positions, out)  # noqa: E731
+        else:
+            index = block_index_tensor(block_ids)
+            fill = lambda layer, out: cache.gather_layer(layer, index, out)  # noqa: E731
+        frame_bytes = [len(block_ids) * cache.layer_bytes_per_block] * cache.spec.num_layers
+        try:
+            sent = link.send(frame_bytes, fill, time.monotonic() + LINK_SEND_SECONDS, request.transfer_id)
+        except TransportError as error:
+            logger.warning("%s link to a consumer failed while sending; closed it (%s)", link.backend, error)
+            self._links.pop(request.link_id, None)
+            return
+        self.counters.add(bytes_sent=sent, blocks_sent=len(block_ids))
 
     def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int]) -> None:
         """Send from a staged lease. Its copies are never written again and live as long as

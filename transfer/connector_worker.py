@@ -27,8 +27,10 @@ from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
+from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
 from transfer.pull_records import PullRecords
+from transfer.transports.links import LinkTable
 from transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("kvroute.transfer.worker")
@@ -52,6 +54,7 @@ class ConnectorWorker:
         self.server: BlockServer | None = None
         cpus = transfer_cpus(settings.transfer_cpus)
         self._context = transfer_context(cpus)
+        self._links: LinkTable[ConsumerLink] = LinkTable(self._open_link)  # by producer address
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull",
                                         initializer=pin_current_thread, initargs=(cpus,))
         self._cpus = cpus
@@ -71,7 +74,8 @@ class ConnectorWorker:
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
-                                  context=self._context, cpus=self._cpus)
+                                  context=self._context, cpus=self._cpus,
+                                  link_settings=self.settings.link_settings())
         self.server.start()
         logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s",
                     self.settings.transfer_bind, self.cache.spec, self._cpus)
@@ -148,8 +152,19 @@ class ConnectorWorker:
         cache = self.cache
         local = block_index_tensor(load.local_block_ids)
         deadline = time.monotonic() + self.settings.pull_timeout_seconds
-        return pull_blocks(self._context, load.source, load.remote_indices, cache.spec,
-                           lambda layer, data: cache.scatter_layer(layer, local, data), deadline)
+        store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
+        if not self.settings.uses_links:
+            return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline)
+        link = self._links.get(load.source.address)
+        return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline)
+
+    def _open_link(self, address: str) -> ConsumerLink:
+        assert self.cache is not None, "KV caches were never registered"
+        link = open_consumer_link(self._context, address, self.cache.spec, self.cache.device,
+                                  self.settings.link_settings())
+        logger.info("opened a %s link from %s", link.receiver.backend, address)
+        self.counters.add(links_opened=1)
+        return link
 
     def _finish(self, request_id: str, failed: bool) -> None:
         """Report a load done; an exception after this must not report it again."""
@@ -172,6 +187,7 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._links.close_all()
         if self.server is not None:
             self.server.stop()
 

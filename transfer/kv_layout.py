@@ -90,8 +90,12 @@ class PagedKVCache:
         check_layouts(self.spec, remote, refusing="the pull")
 
     @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    @property
     def is_host_memory(self) -> bool:
-        return self.layers[0].device.type == "cpu"
+        return self.device.type == "cpu"
 
     def gather_layer(self, layer_index: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the given blocks of one layer, in order, into the contiguous ``out``."""

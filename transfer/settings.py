@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from transfer.link_control import transport_settings
+from transfer.link_names import ENDPOINT, LINK_CHOICES
+from transfer.transports.settings import AUTO, TransportSettings
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -26,6 +30,10 @@ class ConnectorSettings:
     # CPUs of the transfer threads and their ZeroMQ I/O thread, e.g. "2-3"; empty: every CPU
     # (see transfer.affinity).
     transfer_cpus: str = ""
+    # How pulled layers travel: "endpoint" (back on the connection that asked, the default)
+    # or over a transport link per producer–consumer pair (transfer.link_control): "auto"
+    # (CUDA caches: nccl; one host: zmq-ipc; else zmq-tcp) or a backend name forcing it.
+    transfer_link: str = "endpoint"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -36,4 +44,14 @@ class ConnectorSettings:
         settings = cls(**extra)
         if not settings.transfer_address:
             raise ValueError("kvroute connector needs transfer_address (the advertised endpoint)")
+        if settings.transfer_link not in LINK_CHOICES:
+            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {settings.transfer_link!r}")
         return settings
+
+    @property
+    def uses_links(self) -> bool:
+        return self.transfer_link != ENDPOINT
+
+    def link_settings(self) -> TransportSettings:
+        """This end's side of transport links: its override, if any, and its host."""
+        return transport_settings(self.transfer_link if self.uses_links else AUTO, self.transfer_address)

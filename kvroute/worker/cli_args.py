@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from kvroute.worker.settings import WorkerSettings
+from transfer.link_names import LINK_CHOICES
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-cpus", default="",
                         help="CPUs for the KV transfer threads, e.g. '2-3', kept apart from the engine's "
                              "cores (default: every CPU)")
+    parser.add_argument("--transfer-link", default=defaults.transfer_link, choices=LINK_CHOICES,
+                        help="how pulled KV travels: 'endpoint', back on the pull's own connection, or a "
+                             "transport link per worker pair: 'auto' (CUDA caches: nccl; one host: zmq-ipc; "
+                             "else zmq-tcp) or a backend forcing it (default: %(default)s)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
@@ -69,7 +74,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         lease_staging_gib=args.lease_staging_gib,
         pull_timeout_seconds=args.pull_timeout_seconds, drain_seconds=args.drain_seconds,
         omp_threads_bind=args.omp_threads_bind,
-        transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens)
+        transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
+        transfer_link=args.transfer_link)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "staging_bytes": int(settings.lease_staging_gib * 2**30),
             "transfer_cpus": settings.transfer_cpus,
             "pull_timeout_seconds": settings.pull_timeout_seconds,
+            "transfer_link": settings.transfer_link,
         },
     )
 

