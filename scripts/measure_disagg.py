@@ -6,7 +6,8 @@ One run starts a prefill worker and a decode worker, then measures
    disaggregated path (prefill worker → KV transfer → decode worker), for ~1k and ~4k
    token prompts, plus the disaggregated hand-off gap (first → second token);
 2. the connector's block transfer against a raw pyzmq zero-copy baseline moving the
-   same bytes in the same frames (one per layer), at roughly 12, 32 and 128 MiB;
+   same bytes in the same frames (one per layer), at roughly 12, 32 and 128 MiB: over
+   its own endpoint and over each transport link of ``--links`` (``--transfer-link``);
 3. the real end-to-end hand-off at those sizes: the decode worker's received-byte
    counters and the first → second token gap of ``generate_disaggregated``.
 
@@ -16,6 +17,7 @@ printed. Workers are stopped at the end, also on errors and Ctrl-C.
 Usage::
 
     .venv/bin/python scripts/measure_disagg.py [--output DIR] [--model M] [--reps N] [--wait-quiet S]
+        [--links zmq-ipc zmq-tcp gloo]
 
 On a machine shared with other jobs, ``--wait-quiet 900`` starts each measurement in a
 quiet moment where one comes; the CPU load of other processes is recorded either way.
@@ -79,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompt lengths (tokens) for TTFT (default: %(default)s)")
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[12, 32, 128],
                         help="transfer sizes to approximate with whole blocks (default: %(default)s)")
+    parser.add_argument("--links", nargs="*", default=["zmq-ipc", "zmq-tcp", "gloo"],
+                        help="transport links to measure the connector over, beside its own endpoint "
+                             "(none: the endpoint only)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -345,6 +350,8 @@ async def measure_transfers(ctx) -> dict:
                                             fake_cache_layers)
     from transfer.block_client import fetch_transfer_stats, pull_blocks, release_lease
     from transfer.kv_layout import PagedKVCache, block_index_tensor
+    from transfer.link_control import open_consumer_link, pull_over_link
+    from transfer.transports.settings import TransportSettings
 
     console.rule("KV transfer: connector pull vs raw pyzmq zero-copy")
     layout = fetch_transfer_stats(zmq.Context.instance(), ctx.prefill_worker.transfer_address).layout
@@ -383,7 +390,8 @@ async def measure_transfers(ctx) -> dict:
     # block server's CPUs); the connector runs under its lease, as it does in service. A raw
     # run during the lease with an unpinned sender shows how much of the gap is that contention.
     raw_variants = ("raw", "raw_fresh_socket", "raw_scatter")
-    lease_variants = ("connector_scatter", "connector_noop", "raw_during_lease")
+    link_variants = {f"link_{backend}_scatter": backend for backend in ctx.args.links}
+    lease_variants = ("connector_scatter", "connector_noop", "raw_during_lease", *link_variants)
     all_cpus = sorted(os.sched_getaffinity(0))
     previous_threads = torch.get_num_threads()
     # Senders first: they are spawned from this thread and must not inherit the receiver's pinning.
@@ -393,6 +401,11 @@ async def measure_transfers(ctx) -> dict:
         context = zmq.Context()  # its I/O thread starts now, on the receiver's CPUs
         receiver = RawReceiver(sender.address, context)
         free_receiver = RawReceiver(free_sender.address, context)
+        # The connector over transport links (--transfer-link), opened once per backend as a
+        # decode worker opens one per producer; the producer's block server hosts them.
+        links = {name: open_consumer_link(context, ctx.prefill_worker.transfer_address, layout, torch.device("cpu"),
+                                          TransportSettings(backend=backend))
+                 for name, backend in link_variants.items()}
         try:
             for target, blocks in plan:
                 frame_bytes = blocks * bpb // layout.num_layers
@@ -438,7 +451,16 @@ async def measure_transfers(ctx) -> dict:
                     assert got == nbytes, (got, nbytes)
                     return elapsed
 
+                def over_link(name: str) -> float:
+                    start = time.perf_counter()
+                    got = pull_over_link(context, source, indices, layout, links[name], scatter, time.monotonic() + 60)
+                    elapsed = time.perf_counter() - start
+                    assert got == nbytes, (got, nbytes)
+                    return elapsed
+
                 renewals = 0
+                for name in link_variants:
+                    run[name] = lambda name=name: over_link(name)
                 run["connector_scatter"] = lambda: connector(scatter)
                 run["connector_noop"] = lambda: connector(lambda layer, data: None)
                 try:
@@ -475,14 +497,20 @@ async def measure_transfers(ctx) -> dict:
                     "ratio_connector_vs_raw_scatter": medians["raw_scatter"] / medians["connector_scatter"],
                     "ratio_connector_vs_raw_fresh_socket": medians["raw_fresh_socket"] / medians["connector_scatter"],
                     "ratio_connector_vs_raw_during_lease": medians["raw_during_lease"] / medians["connector_scatter"],
+                    **{f"ratio_{name.removesuffix('_scatter')}_vs_raw": medians["raw"] / medians[name]
+                       for name in link_variants},
                 }
                 results["sizes"][f"{target:g}"] = entry
                 console.log(f"{nbytes / MiB:.1f} MiB ({num_blocks} blocks): connector "
                             f"{entry['connector_scatter']['median_gbps']:.2f} GB/s, raw "
                             f"{entry['raw']['median_gbps']:.2f} GB/s, ratio {entry['ratio_connector_vs_raw']:.2f}; "
                             f"prefill worker CPU {cpu_idle:.2f} cores idle, {cpu_lease:.2f} with the lease held"
+                            + "".join(f"; over {backend} {entry[name]['median_gbps']:.2f} GB/s"
+                                      for name, backend in link_variants.items())
                             + ("" if released else " [yellow](lease was gone at release)"))
         finally:
+            for link in links.values():
+                link.close()
             receiver.close()
             free_receiver.close()
             context.destroy(linger=0)
