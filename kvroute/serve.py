@@ -27,7 +27,7 @@ from kvroute.model_prep import resolve_model
 from kvroute.netutil import free_port
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from transfer.link_names import ENDPOINT, LINK_CHOICES
+from transfer.link_names import ENDPOINT, check_transfer_link
 
 logger = logging.getLogger("kvroute.serve")
 
@@ -49,8 +49,7 @@ class PoolSettings:
     def __post_init__(self):
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker")
-        if self.transfer_link not in LINK_CHOICES:
-            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {self.transfer_link!r}")
+        check_transfer_link(self.transfer_link)
 
 
 def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, core: int) -> list[str]:

@@ -178,6 +178,9 @@ class WorkerStats(_Message, tag="worker_stats"):
     transfer_fresh: bool = True  # False: the transfer endpoint was slow; counters are the last seen
 
 
+ROLES = ("prefill", "decode")  # a worker's role, as heartbeats and settings spell it
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     worker_id: str
     role: str

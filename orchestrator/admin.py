@@ -6,13 +6,11 @@ import asyncio
 
 import msgspec
 
+from kvroute.wire import ROLES
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
 from orchestrator.worker_client import WorkerError
-
-
-ROLES = ("prefill", "decode")
 
 
 def describe_workers(fleet: Fleet, index: PrefixIndex) -> list[dict]:

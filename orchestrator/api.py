@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvroute import wire
 from kvroute.identity import Namespace
-from orchestrator.admin import ROLES, describe_workers, reset_all_caches
+from orchestrator.admin import describe_workers, reset_all_caches
 from orchestrator.auth import ApiKeys
 from orchestrator.index_sync import IndexSync
 from orchestrator.errors import APIError, error_body
@@ -89,9 +89,9 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
 
     @router.post("/admin/reset-cache")
     async def reset_cache(role: str | None = None):
-        if role is not None and role not in ROLES:
-            raise APIError(400, f"role must be one of {', '.join(ROLES)}", code="invalid_role", param="role")
-        results = await reset_all_caches(service.fleet, context.index_sync, ROLES if role is None else (role,))
+        if role is not None and role not in wire.ROLES:
+            raise APIError(400, f"role must be one of {', '.join(wire.ROLES)}", code="invalid_role", param="role")
+        results = await reset_all_caches(service.fleet, context.index_sync, wire.ROLES if role is None else (role,))
         everywhere = all(r["reset"] for r in results)
         return JSONResponse({"reset": everywhere, "workers": results}, status_code=200 if everywhere else 503)
 

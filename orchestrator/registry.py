@@ -52,7 +52,7 @@ class WorkerRegistry:
             return Verdict(False, f"model/tokenizer fingerprint {beat.model_fingerprint or 'missing'} differs "
                                   f"from the orchestrator's {self.model_fingerprint}; reusing KV across model "
                                   f"releases would be incorrect")
-        if beat.role not in ("prefill", "decode"):
+        if beat.role not in wire.ROLES:
             return Verdict(False, f"unknown role {beat.role!r}")
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,

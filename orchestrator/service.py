@@ -159,7 +159,7 @@ class CompletionService:
         return decision, record
 
     def _block_size(self) -> int:
-        sizes = [w.load.block_size for role in ("prefill", "decode") for w in self.fleet.live(role)]
+        sizes = [w.load.block_size for role in wire.ROLES for w in self.fleet.live(role)]
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
     def _views(self, role: str, matches: dict[str, int], excluded: set[str]) -> list[WorkerView]:

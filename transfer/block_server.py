@@ -84,7 +84,6 @@ class BlockServer:
         self._socket.bind(bind_address)
         self._buffers = SendBufferPool()
         self._parked: list[_ParkedPull] = []
-        self._served: set[str] = set()  # live leases pulled at least once (only this thread touches it)
         self.link_settings = link_settings or TransportSettings()
         self._links: OrderedDict[str, Sender] = OrderedDict()  # by the consumer's link id
         self._stopping = threading.Event()
@@ -118,8 +117,7 @@ class BlockServer:
 
     def _expire_leases(self, now: float) -> None:
         for lease in self.leases.expire(now):
-            if lease.handle in self._served:
-                self._served.discard(lease.handle)
+            if lease.pulled:
                 logger.warning("lease for request %s was pulled but never acknowledged; freeing its blocks "
                                "at expiry", lease.request_id)
             else:
@@ -146,13 +144,11 @@ class BlockServer:
             self._open_link(identity, message)
         elif isinstance(message, wire.ReleaseLease):
             released = self.leases.release(message.handle)
-            self._served.discard(message.handle)
             if released:
                 logger.debug("lease released (%s)", message.reason)
             self._reply(identity, wire.ReleaseReply(released=released))
         elif isinstance(message, wire.ReleaseAllLeases):
             count = self.leases.release_all()
-            self._served.clear()
             logger.info("released all %d leases (%s)", count, message.reason)
             self._reply(identity, wire.ReleaseReply(released=count > 0, count=count))
         elif isinstance(message, wire.PullRecordsRequest):
@@ -233,7 +229,7 @@ class BlockServer:
             self._send_staged(identity, lease.staged, request.block_indices)
         else:
             self._send_layers(identity, block_ids)
-        self._served.add(lease.handle)
+        self.leases.mark_pulled(lease.handle)
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks | wire.PullOverLink, leased: tuple[int, ...]) -> list[int]:

@@ -47,6 +47,7 @@ class Lease:
     # One contiguous tensor per layer, blocks in lease order; None while in place or staging.
     staged: tuple[torch.Tensor, ...] | None = None
     staged_bytes: int = 0  # charged to the staging budget (also while the copy runs)
+    pulled: bool = False  # served at least once (an expiry then means a lost acknowledgement)
 
 
 class LeaseTable:
@@ -103,6 +104,12 @@ class LeaseTable:
         """A servable lease: in place or staged, never one whose copy is running."""
         with self._lock:
             return None if handle in self._staging else self._leases.get(handle)
+
+    def mark_pulled(self, handle: str) -> None:
+        with self._lock:
+            lease = self._leases.get(handle)
+            if lease is not None and not lease.pulled:
+                self._leases[handle] = replace(lease, pulled=True)
 
     def release(self, handle: str) -> bool:
         """End a lease early; False when it is unknown or already ended."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from transfer.link_control import transport_settings
-from transfer.link_names import ENDPOINT, LINK_CHOICES
+from transfer.link_names import ENDPOINT, check_transfer_link
 from transfer.transports.settings import AUTO, TransportSettings
 
 
@@ -44,8 +44,7 @@ class ConnectorSettings:
         settings = cls(**extra)
         if not settings.transfer_address:
             raise ValueError("kvroute connector needs transfer_address (the advertised endpoint)")
-        if settings.transfer_link not in LINK_CHOICES:
-            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {settings.transfer_link!r}")
+        check_transfer_link(settings.transfer_link)
         return settings
 
     @property

@@ -7,10 +7,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from kvroute.netutil import free_port, tcp
+from kvroute.wire import ROLES
 from transfer.affinity import parse_cpus
-from transfer.link_names import ENDPOINT, LINK_CHOICES
+from transfer.link_names import ENDPOINT, check_transfer_link
 
-ROLES = ("prefill", "decode")
 DECODE_LONG_PREFILL_TOKENS = 256
 
 
@@ -58,8 +58,7 @@ class WorkerSettings:
         if self.drain_seconds < 0:
             raise ValueError("drain_seconds must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
-        if self.transfer_link not in LINK_CHOICES:
-            raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {self.transfer_link!r}")
+        check_transfer_link(self.transfer_link)
 
     @property
     def long_prefill_step_tokens(self) -> int:
