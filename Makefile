@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-setup-done
+# The slowest tests are listed after every run, so a growing suite shows where.
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: setup serve test model clean
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,12 @@ class LaunchedWorker:
         """Die at once, as a crashed worker would."""
         _signal_group(self.process, signal.SIGKILL)
         self.process.wait(10)
+
+
+def stop_all(workers: list[LaunchedWorker], grace: float = 20.0) -> None:
+    """Stop workers side by side: each drains and shuts its engine down in seconds."""
+    with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        list(pool.map(lambda worker: worker.stop(grace), workers))
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from kvroute import wire
-from kvroute.launcher import LaunchedWorker, launch_worker
+from kvroute.launcher import LaunchedWorker, launch_worker, stop_all
 from kvroute.model_prep import resolve_model
 from orchestrator.disagg import HandoffRecord, generate_disaggregated
 from orchestrator.worker_client import WorkerClient
@@ -36,8 +36,7 @@ def running_workers(log_dir, specs: list[tuple[str, str, list[str]]]):
             worker.wait_ready(START_TIMEOUT)
         yield {w.role: w for w in workers}
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
 
 
 @dataclass

@@ -26,12 +26,14 @@ from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks,
 LEASE_SECONDS = 3.0
 STAGING_GIB = 0.03  # five blocks of SmolLM2 in float32 (5.9 MB each)
 STAGED_BLOCKS, IN_PLACE_BLOCKS = 3, 8
+STEP_TOKENS = 512  # short engine steps, so the step-boundary test takes seconds, not a minute
 
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory):
     worker = start_worker("prefill", tmp_path_factory.mktemp("lease-expiry"), "0",
-                          ["--lease-seconds", str(LEASE_SECONDS), "--lease-staging-gib", str(STAGING_GIB)])
+                          ["--lease-seconds", str(LEASE_SECONDS), "--lease-staging-gib", str(STAGING_GIB),
+                           "--step-tokens", str(STEP_TOKENS)])
     try:
         worker.wait_ready(START_TIMEOUT)
         yield worker
@@ -140,12 +142,12 @@ async def test_late_pull_of_an_expired_lease_is_refused_and_the_worker_stays_up(
 
 async def test_a_lease_is_servable_while_the_next_step_still_computes(client, producer):
     """A finishes in the step where B's prefill begins; the next step computes the rest of
-    B (~2,000 tokens, a second or more on CPU). A's lease must be granted before that
+    B (a whole step of tokens, seconds on CPU). A's lease must be granted before that
     forward pass, not after it: a consumer pulling right after A's first token would
     otherwise wait the whole step, or be refused once its parked pull gives up."""
     before = await wait_idle(client)
-    first = [20000 + i % 5000 for i in range(2100)]  # step 1: 2,048 tokens; step 2: the last 52
-    second = [26000 + i % 5000 for i in range(4000)]  # step 2: ~2,000 tokens; step 3: the rest
+    first = [20000 + i % 5000 for i in range(STEP_TOKENS + 88)]  # step 1: a full step; step 2: the last 88
+    second = [26000 + i % 5000 for i in range(2 * STEP_TOKENS - 88)]  # step 2: the rest of it; step 3: a full step
     sampling = wire.SamplingSpec(max_tokens=1, temperature=0.0)
     first_stream = client.generate(wire.GenerateRequest(
         request_id="granted-mid-step", prompt_token_ids=first, hold_blocks=True, sampling=sampling))

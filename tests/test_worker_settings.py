@@ -53,3 +53,18 @@ def test_transfer_link_flag_reaches_the_connector(monkeypatch):
     assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").transfer_link == "endpoint"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "/models/m", "--transfer-link", "carrier-pigeon"])
+
+
+def test_step_tokens_flag_reaches_the_engine(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
+    settings = settings_from_args(parser.parse_args(["--model", "/models/m", "--step-tokens", "512"]), "prefill")
+    assert engine_args(settings).max_num_batched_tokens == 512
+    default = settings_from_args(parser.parse_args(["--model", "/models/m"]), "prefill")
+    assert engine_args(default).max_num_batched_tokens is None  # the engine's own default
+    with pytest.raises(ValueError, match="step_tokens"):
+        WorkerSettings(role="prefill", model="/models/m", step_tokens=0)

@@ -47,6 +47,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens one request computes per engine step while others wait; "
                              "0: no cap (default: 256 on decode workers, so a local prefill cannot hold "
                              "arriving KV pulls and running streams for seconds; no cap on prefill workers)")
+    parser.add_argument("--step-tokens", type=int, default=None,
+                        help="most prompt tokens one engine step computes over all requests "
+                             "(default: the engine's, 2048)")
     parser.add_argument("--omp-threads-bind", default=None,
                         help="CPU cores for the engine's OpenMP threads, e.g. '0' or '0-3' (CPU builds)")
     parser.add_argument("--transfer-cpus", default="",
@@ -75,6 +78,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         pull_timeout_seconds=args.pull_timeout_seconds, drain_seconds=args.drain_seconds,
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
+        step_tokens=args.step_tokens,
         transfer_link=args.transfer_link)
 
 

@@ -58,6 +58,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         max_model_len=settings.max_model_len,
         seed=settings.seed,
         long_prefill_token_threshold=settings.long_prefill_step_tokens,
+        max_num_batched_tokens=settings.step_tokens,
         kv_transfer_config=kv_transfer_config(settings),
         kv_events_config=kv_events_config(settings),
         disable_log_stats=False,

@@ -41,6 +41,9 @@ class WorkerSettings:
     # Most prompt tokens one request may compute per engine step while others wait; None:
     # the role's default (see ``long_prefill_step_tokens``), 0: no cap.
     long_prefill_tokens: int | None = None
+    # Most prompt tokens one engine step computes over all requests; None: vLLM's default
+    # (2,048). Smaller steps bound how long every running request waits for its next token.
+    step_tokens: int | None = None
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
@@ -53,6 +56,8 @@ class WorkerSettings:
             raise ValueError("kv_cache_gib must be positive")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
             raise ValueError("long_prefill_tokens must not be negative")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError("step_tokens must be positive")
         if self.lease_staging_gib < 0:
             raise ValueError("lease_staging_gib must not be negative")
         if self.drain_seconds < 0:
