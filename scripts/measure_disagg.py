@@ -348,7 +348,7 @@ async def measure_transfers(ctx) -> dict:
 
     from kvroute.bench.transfer_raw import (RawReceiver, RawSender, destination_blocks,
                                             fake_cache_layers)
-    from transfer.block_client import fetch_transfer_stats, pull_blocks, release_lease
+    from transfer.block_client import ChannelPool, fetch_transfer_stats, pull_blocks, release_lease
     from transfer.kv_layout import PagedKVCache, block_index_tensor
     from transfer.link_control import open_consumer_link, pull_over_link
     from transfer.transports.settings import TransportSettings
@@ -401,6 +401,7 @@ async def measure_transfers(ctx) -> dict:
         context = zmq.Context()  # its I/O thread starts now, on the receiver's CPUs
         receiver = RawReceiver(sender.address, context)
         free_receiver = RawReceiver(free_sender.address, context)
+        channels = ChannelPool(context)  # the connector keeps its connections to producers open
         # The connector over transport links (--transfer-link), opened once per backend as a
         # decode worker opens one per producer; the producer's block server hosts them.
         links = {name: open_consumer_link(context, ctx.prefill_worker.transfer_address, layout, torch.device("cpu"),
@@ -446,14 +447,15 @@ async def measure_transfers(ctx) -> dict:
 
                 def connector(sink) -> float:
                     start = time.perf_counter()
-                    got = pull_blocks(context, source, indices, layout, sink, time.monotonic() + 60)
+                    got = pull_blocks(context, source, indices, layout, sink, time.monotonic() + 60, channels)
                     elapsed = time.perf_counter() - start
                     assert got == nbytes, (got, nbytes)
                     return elapsed
 
                 def over_link(name: str) -> float:
                     start = time.perf_counter()
-                    got = pull_over_link(context, source, indices, layout, links[name], scatter, time.monotonic() + 60)
+                    got = pull_over_link(context, source, indices, layout, links[name], scatter, time.monotonic() + 60,
+                                         channels)
                     elapsed = time.perf_counter() - start
                     assert got == nbytes, (got, nbytes)
                     return elapsed
@@ -511,6 +513,7 @@ async def measure_transfers(ctx) -> dict:
         finally:
             for link in links.values():
                 link.close()
+            channels.close()
             receiver.close()
             free_receiver.close()
             context.destroy(linger=0)

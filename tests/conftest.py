@@ -1,6 +1,15 @@
 import pytest
+import zmq
 
 from tests.cluster import running_workers
+
+
+@pytest.fixture
+def context():
+    """A ZeroMQ context of the test's own, destroyed after it (no socket outlives a test)."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")

@@ -196,13 +196,6 @@ def test_reclaim_with_every_buffer_handed_out_says_so():
 # ---------------------------------------------------------------- with real sockets
 
 
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def test_send_frame_copies_small_payloads_and_tracks_large_ones(context):
     address = "inproc://send-frame-threshold"
     receiver = context.socket(zmq.PULL)

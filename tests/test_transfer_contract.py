@@ -120,13 +120,6 @@ def consumer(dtype, layout):
     return make_cache(dtype, layout, CONSUMER_BLOCKS, seed=None)
 
 
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def pull_into(context, consumer: PagedKVCache, source: wire.PullSource, indices, local_ids,
               layout: wire.KVLayoutSpec | None = None, deadline_seconds: float = DEADLINE_SECONDS) -> int:
     local = block_index_tensor(local_ids)

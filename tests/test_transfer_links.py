@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from tests.test_transfer_contract import (CONSUMER_BLOCKS, DEADLINE_SECONDS, NUM_LAYERS, PARK_SECONDS, Producer,
                                           assert_pulled, block_bytes, make_cache, stage)
@@ -38,13 +37,6 @@ def producer(backend):
 @pytest.fixture
 def consumer():
     return make_cache(torch.bfloat16, "block-dim-1", CONSUMER_BLOCKS, seed=None)
-
-
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

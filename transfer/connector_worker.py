@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from kvroute.wire import PullRecord
-from transfer.block_client import PullFailed, pull_blocks, release_lease
+from transfer.block_client import ChannelPool, PullFailed, pull_blocks, release_lease
 from transfer.affinity import pin_current_thread, transfer_context, transfer_cpus
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
@@ -54,6 +54,7 @@ class ConnectorWorker:
         self.server: BlockServer | None = None
         cpus = transfer_cpus(settings.transfer_cpus)
         self._context = transfer_context(cpus)
+        self._channels = ChannelPool(self._context)  # to producers' endpoints, one per pull thread
         self._links: LinkTable[ConsumerLink] = LinkTable(self._open_link)  # by producer address
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvroute-pull",
                                         initializer=pin_current_thread, initargs=(cpus,))
@@ -98,7 +99,8 @@ class ConnectorWorker:
                 self._active_loads += 1
             self._pool.submit(self._pull, load)
         for source, reason in metadata.releases:
-            self._pool.submit(release_lease, self._context, source.address, source.handle, reason)
+            self._pool.submit(release_lease, self._context, source.address, source.handle, reason,
+                              channels=self._channels)
 
     def _staging_room(self, num_blocks: int) -> int:
         """Bytes to stage a lease of ``num_blocks`` blocks, or 0 to keep it in place."""
@@ -139,7 +141,8 @@ class ConnectorWorker:
             self._finish(load.request_id, failed=True)
             return
         self._finish(load.request_id, failed=False)  # the request runs on; the ack need not wait
-        if not release_lease(self._context, load.source.address, load.source.handle, "ack"):
+        if not release_lease(self._context, load.source.address, load.source.handle, "ack",
+                             channels=self._channels):
             logger.warning("producer %s did not confirm the release of request %s's lease; it frees the "
                            "blocks when the lease expires", load.source.address, load.request_id)
 
@@ -154,9 +157,11 @@ class ConnectorWorker:
         deadline = time.monotonic() + self.settings.pull_timeout_seconds
         store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
         if not self.settings.uses_links:
-            return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline)
+            return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
+                               self._channels)
         link = self._links.get(load.source.address)
-        return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline)
+        return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline,
+                              self._channels)
 
     def _open_link(self, address: str) -> ConsumerLink:
         assert self.cache is not None, "KV caches were never registered"
@@ -188,6 +193,7 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._links.close_all()
+        self._channels.close()
         if self.server is not None:
             self.server.stop()
 

@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from kvroute import wire
-from transfer.block_client import LayerSink, PullFailed, pull_exchange
+from transfer.block_client import ChannelPool, LayerSink, PullFailed, pull_exchange
 from transfer.kv_layout import LayoutMismatch
 from transfer.link_names import ENDPOINT, LINK_CHOICES
 from transfer.transports.base import Receiver
@@ -126,7 +126,8 @@ def open_consumer_link(context: zmq.Context, address: str, layout: wire.KVLayout
 
 
 def pull_over_link(context: zmq.Context, source: wire.PullSource, block_indices: list[int],
-                   layout: wire.KVLayoutSpec, link: ConsumerLink, on_layer: LayerSink, deadline: float) -> int:
+                   layout: wire.KVLayoutSpec, link: ConsumerLink, on_layer: LayerSink, deadline: float,
+                   channels: ChannelPool | None = None) -> int:
     """``block_client.pull_blocks`` with the layers over ``link``; raises PullFailed.
 
     Any failure closes the link, a refusal too: frames of a failed transfer may still be
@@ -138,7 +139,7 @@ def pull_over_link(context: zmq.Context, source: wire.PullSource, block_indices:
                                     link_id=link.link_id, transfer_id=transfer_id)
         frame_bytes = len(block_indices) * layout.bytes_per_block // layout.num_layers
         try:
-            header = pull_exchange(context, source.address, request, deadline)
+            header = pull_exchange(context, source.address, request, deadline, channels)
             return link.receiver.receive([frame_bytes] * header.num_layers, on_layer, deadline, transfer_id)
         except BaseException as error:
             link.close()
