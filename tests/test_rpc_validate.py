@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute import wire
-from kvroute.worker.rpc_server import error_code, validate
+from kvroute.worker.rpc_server import error_code, tokens_to_compute, validate
 
 
 def request(prompt=(1, 2, 3), **sampling) -> wire.GenerateRequest:
@@ -71,3 +71,15 @@ def test_validate_after_decoding_from_the_wire():
 ])
 def test_error_code(error, code):
     assert error_code(error) == code
+
+
+@pytest.mark.parametrize("prompt_tokens, pulled, expected", [
+    (925, None, 925),  # computed here in full
+    (926, 925, 1),  # a handed-off request: only the tail after the pulled KV
+    (10, 16, 0),  # a pull source longer than the prompt never counts negative
+])
+def test_queued_prefill_counts_only_tokens_the_engine_computes(prompt_tokens, pulled, expected):
+    source = None if pulled is None else wire.PullSource(handle="h" * 32, address="tcp://p:1",
+                                                         num_tokens=pulled, block_size=128)
+    generate = wire.GenerateRequest(request_id="r", prompt_token_ids=list(range(prompt_tokens)), pull_from=source)
+    assert tokens_to_compute(generate) == expected

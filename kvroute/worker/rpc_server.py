@@ -162,7 +162,7 @@ class RpcServer:
 
     async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         request_id = request.request_id
-        self.prompt_tokens_waiting[request_id] = len(request.prompt_token_ids)
+        self.prompt_tokens_waiting[request_id] = tokens_to_compute(request)
         try:
             stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
             first = True
@@ -213,6 +213,14 @@ def validate(request: wire.GenerateRequest) -> str | None:
     if request.sampling.max_tokens < 1:
         return "max_tokens must be at least 1"
     return None
+
+
+def tokens_to_compute(request: wire.GenerateRequest) -> int:
+    """Prompt tokens this worker's engine will compute for ``request``: the tokens a KV pull
+    brings are not prefill work. Counting them made a decode worker look seconds busy in
+    every heartbeat sent while a handed-off request waited for its blocks."""
+    pulled = request.pull_from.num_tokens if request.pull_from is not None else 0
+    return max(0, len(request.prompt_token_ids) - pulled)
 
 
 def error_code(error: Exception) -> str:
