@@ -22,7 +22,7 @@ import uvicorn
 import uvloop
 
 from kvroute.config import setting
-from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker
+from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
 from kvroute.model_prep import resolve_model
 from kvroute.netutil import free_port
 from orchestrator.app import create_app
@@ -124,7 +124,7 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
     finally:
         server.should_exit = True
         await asyncio.gather(api, return_exceptions=True)
-        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
+        await asyncio.to_thread(stop_all, workers)
         logger.info("stopped %d workers", len(workers))
 
 

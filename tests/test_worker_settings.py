@@ -26,45 +26,40 @@ def test_negative_long_prefill_cap_is_refused():
         WorkerSettings(role="decode", model="/models/m", long_prefill_tokens=-1)
 
 
-def test_long_prefill_flag(monkeypatch):
+@pytest.fixture
+def parser(monkeypatch):
+    """The worker's flag parser, with the model and dtype resolution that need a machine stubbed."""
     import argparse
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
     monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
-    args = parser.parse_args(["--model", "/models/m", "--long-prefill-tokens", "128"])
-    assert settings_from_args(args, "decode").long_prefill_tokens == 128
-    assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").long_prefill_tokens is None
+    return parser
 
 
-def test_transfer_link_flag_reaches_the_connector(monkeypatch):
-    import argparse
+def settings_of(parser, role: str, *flags: str) -> WorkerSettings:
+    return settings_from_args(parser.parse_args(["--model", "/models/m", *flags]), role)
 
+
+def test_long_prefill_flag(parser):
+    assert settings_of(parser, "decode", "--long-prefill-tokens", "128").long_prefill_tokens == 128
+    assert settings_of(parser, "decode").long_prefill_tokens is None
+
+
+def test_transfer_link_flag_reaches_the_connector(parser):
     from kvroute.worker.engine import kv_transfer_config
 
-    parser = argparse.ArgumentParser()
-    add_worker_arguments(parser)
-    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
-    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
-    settings = settings_from_args(parser.parse_args(["--model", "/models/m", "--transfer-link", "gloo"]), "decode")
+    settings = settings_of(parser, "decode", "--transfer-link", "gloo")
     assert settings.transfer_link == "gloo"
     assert kv_transfer_config(settings.with_ports()).kv_connector_extra_config["transfer_link"] == "gloo"
-    assert settings_from_args(parser.parse_args(["--model", "/models/m"]), "decode").transfer_link == "endpoint"
+    assert settings_of(parser, "decode").transfer_link == "endpoint"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "/models/m", "--transfer-link", "carrier-pigeon"])
 
 
-def test_step_tokens_flag_reaches_the_engine(monkeypatch):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_worker_arguments(parser)
-    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
-    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
-    settings = settings_from_args(parser.parse_args(["--model", "/models/m", "--step-tokens", "512"]), "prefill")
-    assert engine_args(settings).max_num_batched_tokens == 512
-    default = settings_from_args(parser.parse_args(["--model", "/models/m"]), "prefill")
-    assert engine_args(default).max_num_batched_tokens is None  # the engine's own default
+def test_step_tokens_flag_reaches_the_engine(parser):
+    assert engine_args(settings_of(parser, "prefill", "--step-tokens", "512")).max_num_batched_tokens == 512
+    assert engine_args(settings_of(parser, "prefill")).max_num_batched_tokens is None  # the engine's own default
     with pytest.raises(ValueError, match="step_tokens"):
         WorkerSettings(role="prefill", model="/models/m", step_tokens=0)

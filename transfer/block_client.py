@@ -180,15 +180,12 @@ def release_lease(context: zmq.Context, address: str, handle: str, reason: str,
 def _request(context: zmq.Context, address: str, message: wire._Message, reply_type: type,
              timeout: float):
     """One request, one reply of ``reply_type``, within ``timeout`` seconds."""
-    channel = _Channel(context, address, time.monotonic() + timeout)
-    try:
+    with _exchange(context, address, time.monotonic() + timeout, None) as channel:
         channel.send(message)
         reply = channel.receive_message()
         if not isinstance(reply, reply_type):
             raise PullFailed(f"unexpected reply {type(reply).__name__}")
         return reply
-    finally:
-        channel.close()
 
 
 def release_all_leases(context: zmq.Context, address: str, reason: str = "reset", timeout: float = 2.0) -> int:
