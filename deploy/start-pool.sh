@@ -6,9 +6,14 @@
 #
 # One worker per GPU where `nvidia-smi -L` finds GPUs (worker i gets the i-th GPU
 # through CUDA_VISIBLE_DEVICES; COUNT "auto" means one per GPU); otherwise worker i
-# is pinned to CPU core (i mod nproc) with --omp-threads-bind. Every worker runs in its
-# own session and process group (setsid), logs to DIR/ROLE-i.log and has its pid in
+# is pinned to CPU core (i mod nproc) with --omp-threads-bind. Every worker leads its
+# own process group, in the caller's session, logs to DIR/ROLE-i.log and has its pid in
 # DIR/ROLE-i.pid, which deploy/stop-pool.sh uses to stop the whole group.
+#
+# Not a session of its own: Linux's scheduler autogroups share CPU between sessions
+# first, and a worker in its own session starved on a core it shared with a busy
+# worker of another session (README, "Engines sharing cores"). Start the pools that
+# share cores from one session.
 set -euo pipefail
 
 PROG=${0##*/}
@@ -191,11 +196,14 @@ for ((i = 0; i < count; i++)); do
     fi
     args+=("${extra[@]}")
     printf '=== %s start-pool: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S%z')" "${env_args[*]:+${env_args[*]} }$python ${args[*]}" >>"$log_file"
-    # The inner shell writes its own pid (it is the new session's leader, so pid == pgid)
-    # and then becomes the worker with exec; this holds even where setsid has to fork.
+    # With job control on (set -m) the background job leads a process group of its own;
+    # the inner shell writes its pid (the group's leader, so pid == pgid) and then
+    # becomes the worker with exec.
+    set -m
     # shellcheck disable=SC2016  # $$, $1 and $@ are the inner shell's, not ours
-    env "${env_args[@]}" setsid bash -c 'echo "$$" >"$1"; shift; exec "$@"' start-pool "$pid_file" \
+    env "${env_args[@]}" bash -c 'echo "$$" >"$1"; shift; exec "$@"' start-pool "$pid_file" \
         "$python" "${args[@]}" </dev/null >>"$log_file" 2>&1 &
+    set +m
     for ((wait_ms = 0; wait_ms < 5000; wait_ms += 50)); do
         [[ -s $pid_file ]] && break
         sleep 0.05

@@ -116,8 +116,25 @@ def error_lines(path: Path, limit: int = 3) -> str:
     return "\n".join(dict.fromkeys(lines[-limit * 2:]).keys())
 
 
+def spawn(command: list[str], log_path: Path, env: dict[str, str], own_session: bool = False) -> subprocess.Popen:
+    """Start ``command`` logging to ``log_path``, leading a process group of its own (so that
+    stopping it takes vLLM's child processes too) in the launcher's session.
+
+    Not a session of its own: Linux's scheduler autogroups share CPU between sessions
+    first, and spread a session's share over the cores where its threads run. A worker in
+    a session of its own, whose engine core polled on one core, got almost nothing on the
+    core its model runner is bound to whenever a busy engine of another session was bound
+    there too: a 34-token prefill waited 9.4 s for a neighbour's 9 s prefill instead of
+    taking 0.6-0.9 s (``scripts/probe_core_sharing.py``). ``own_session`` is there for that
+    comparison only."""
+    placement = {"start_new_session": True} if own_session else {"process_group": 0}
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, **placement)
+
+
 def launch_worker(role: str, args: list[str], log_dir: Path | None = None,
-                  env: dict[str, str] | None = None) -> LaunchedWorker:
+                  env: dict[str, str] | None = None, own_session: bool = False) -> LaunchedWorker:
     """Start ``python -m <role>_worker ARGS`` without waiting for it to be ready."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvroute-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +142,5 @@ def launch_worker(role: str, args: list[str], log_dir: Path | None = None,
     ready_file = log_dir / f"{stamp}.ready.json"
     log_path = log_dir / f"{stamp}.log"
     command = [sys.executable, "-m", f"{role}_worker", *args, "--ready-file", str(ready_file)]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+    process = spawn(command, log_path, {**os.environ, **(env or {})}, own_session)
     return LaunchedWorker(role, process, ready_file, log_path)

@@ -112,7 +112,7 @@ def group_members(pgid: int) -> list[int]:
 
 def worker_process(log_dir: Path, worker_id: str) -> int:
     """The pid of the worker's own process. Its ready file names the worker; its command line
-    names the ready file; it leads its process group (the launcher starts a new session)."""
+    names the ready file; it leads its process group (the launcher starts one per worker)."""
     ready = next(path for path in log_dir.glob("*.ready.json")
                  if json.loads(path.read_text())["worker_id"] == worker_id)
     leaders = []

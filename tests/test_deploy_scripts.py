@@ -158,7 +158,8 @@ def test_start_and_stop_a_cpu_pool(fakes):
         for i, pid in enumerate(pids):
             assert f"started prefill-{i}: pid {pid}, CPU core {i % os.cpu_count()}" in started.stdout
             assert alive(pid)
-            assert os.getpgid(pid) == pid, "each worker leads its own process group (setsid)"
+            assert os.getpgid(pid) == pid, "each worker leads its own process group"
+            assert os.getsid(pid) == os.getsid(0), "in the caller's session: one scheduler autogroup"
             argv, env = records(fakes["records"], pid)
             assert argv[:3] == ["-m", "kvroute", "prefill-worker"]
             assert flag_values(argv, "--orchestrator") == ["tcp://127.0.0.1:7001"]

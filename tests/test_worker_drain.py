@@ -24,7 +24,7 @@ import zmq
 
 from kvroute import wire
 from kvroute.bench.stack import running_synthetic_stack
-from kvroute.launcher import LaunchedWorker
+from kvroute.launcher import LaunchedWorker, spawn
 from kvroute.model_prep import resolve_model
 from kvroute.netutil import async_context, free_port
 from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
@@ -330,6 +330,18 @@ def test_the_launcher_signals_the_worker_before_its_engine_processes(tmp_path):
     wait_until(lambda: log.exists() and len(log.read_text().splitlines()) == 2, 10)
     LaunchedWorker("decode", process, tmp_path / "ready.json", tmp_path / "worker.log").stop(grace=10)
     assert log.read_text().splitlines()[2:] == ["worker got SIGTERM", "worker exits", "engine got SIGTERM"]
+
+
+def test_a_spawned_worker_leads_its_own_process_group_in_the_launchers_session(tmp_path):
+    """Its own group, so a stop reaches vLLM's children; the launcher's session, so the
+    scheduler shares a core fairly between the engines bound to it (launcher.spawn)."""
+    process = spawn(["sleep", "30"], tmp_path / "sleep.log", dict(os.environ))
+    try:
+        assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
+        assert os.getsid(process.pid) == os.getsid(0)
+    finally:
+        LaunchedWorker("decode", process, tmp_path / "ready.json", tmp_path / "sleep.log").stop(grace=5)
+    assert process.poll() is not None
 
 
 # ---------------------------------------------------------------- real processes, through the OpenAI API
