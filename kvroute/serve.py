@@ -104,9 +104,7 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
     model = resolve_model(orchestrator.model, progress=True)
     orchestrator = replace(orchestrator, model=model, registry_port=free_port())
     app = create_app(orchestrator)
-    server = _Server(uvicorn.Config(app, host=orchestrator.host, port=orchestrator.port, loop="uvloop",
-                                           log_level=orchestrator.log_level, access_log=orchestrator.access_log,
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, **orchestrator.http_server_options(), timeout_graceful_shutdown=5))
     _stop_on_signals(server)
     api = asyncio.create_task(server.serve())
     workers: list[LaunchedWorker] = []

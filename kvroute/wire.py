@@ -181,6 +181,13 @@ class WorkerStats(_Message, tag="worker_stats"):
 ROLES = ("prefill", "decode")  # a worker's role, as heartbeats and settings spell it
 
 
+class PrefillProbe(msgspec.Struct, forbid_unknown_fields=False):
+    """One cold prefill a worker timed at start-up (``kvroute.worker.prefill_probe``)."""
+
+    new_tokens: int
+    seconds: float
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     worker_id: str
     role: str
@@ -194,6 +201,8 @@ class Heartbeat(_Message, tag="heartbeat"):
     draining: bool = False
     # Where its connector serves KV blocks (operators' view; pulls name it in each PullSource).
     transfer_address: str = ""
+    # Its start-up prefill timing: calibrates the cost model before its first request.
+    prefill_probe: PrefillProbe | None = None
 
 
 class SnapshotRequest(_Message, tag="snapshot"):

@@ -27,6 +27,7 @@ from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.registry import WorkerRegistry
 from orchestrator.service import CompletionService
 from orchestrator.settings import OrchestratorSettings
+from orchestrator.startup_calibration import StartupCalibration
 from orchestrator.tokenization import TextCodec
 
 logger = logging.getLogger("kvroute.orchestrator")
@@ -41,7 +42,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
                   settings.breaker_settings(), settings.retry_policy())
     index, metrics, calibration = PrefixIndex(), Metrics(), Calibration()
     index_sync = IndexSync(index)
-    fleet.listeners.append(index_sync)
+    fleet.listeners += [index_sync, StartupCalibration(calibration)]
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
     service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
@@ -79,5 +80,4 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
 def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-                log_level=settings.log_level, access_log=settings.access_log, timeout_graceful_shutdown=10)
+    uvicorn.run(create_app(settings), **settings.http_server_options(), timeout_graceful_shutdown=10)

@@ -53,6 +53,10 @@ class OrchestratorSettings:
                                             "the key file overrides it for its tenant; 0: no limit")
     tenant_burst: int = setting(0, "requests a tenant may send at once (the bucket's size); 0: "
                                    "tenant_rate_limit rounded up, at least 1")
+    keep_alive_seconds: float = setting(75.0, "seconds an idle HTTP keep-alive connection stays open; above "
+                                              "the clients' own expiry (httpx, so the openai package: 5 s), "
+                                              "so that a client never sends on a connection the server is "
+                                              "closing")
     log_level: str = setting("info", "log level: debug, info, warning, error")
     access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
                                       "already gets one on kvroute.decisions")
@@ -67,6 +71,13 @@ class OrchestratorSettings:
             raise ValueError("tenant_rate_limit and tenant_burst must be finite and not negative")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if not 0 < self.keep_alive_seconds < math.inf:
+            raise ValueError("keep_alive_seconds must be positive and finite")
+
+    def http_server_options(self) -> dict:
+        """uvicorn's options for the OpenAI-compatible API."""
+        return {"host": self.host, "port": self.port, "loop": "uvloop", "log_level": self.log_level,
+                "access_log": self.access_log, "timeout_keep_alive": self.keep_alive_seconds}
 
     def planner_settings(self) -> PlannerSettings:
         return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, top_k=self.top_k,

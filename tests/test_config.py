@@ -354,3 +354,12 @@ def test_real_cli_parser_builds():
     args = parser.parse_args(["serve", "--prefill-workers", "2", "--port", "8123"])
     assert config.load(PoolSettings, args, environ={}, only_known=True).prefill_workers == 2
     assert config.load(OrchestratorSettings, args, environ={}, only_known=True).port == 8123
+
+
+def test_the_http_server_keeps_idle_connections_past_the_clients_expiry():
+    """httpx, so the openai package, reuses a connection idle for up to 5 s."""
+    assert OrchestratorSettings().http_server_options()["timeout_keep_alive"] == 75.0
+    assert OrchestratorSettings(keep_alive_seconds=10).http_server_options()["timeout_keep_alive"] == 10
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="keep_alive_seconds"):
+            OrchestratorSettings(keep_alive_seconds=bad)

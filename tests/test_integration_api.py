@@ -4,7 +4,9 @@ empty model cache), exercised with the official ``openai`` client, then stopped.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -51,6 +53,34 @@ def test_models_and_health(client, stack):
     assert "kvroute_time_to_first_token_seconds" in metrics
     assert 'kvroute_workers{role="decode"} 1.0' in metrics
     assert 'kvroute_index_blocks{worker="prefill-' in metrics and 'kvroute_index_blocks{worker="decode-' in metrics
+
+
+def http_get(connection: socket.socket, path: str) -> bytes:
+    """One HTTP/1.1 request on an open connection; the whole response (head and body)."""
+    connection.sendall(f"GET {path} HTTP/1.1\r\nHost: kvroute\r\nConnection: keep-alive\r\n\r\n".encode())
+    response = b""
+
+    def complete() -> bool:
+        head, separator, body = response.partition(b"\r\n\r\n")
+        lengths = [line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+        return bool(separator) and len(body) >= int(lengths[0] if lengths else 0)
+
+    while not complete():
+        chunk = connection.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection; got {response!r}")
+        response += chunk
+    return response
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(stack):
+    """httpx (so the openai package) reuses a connection idle for up to 5 s; a server that
+    closes it at 5 s races the client's next request, which then fails before any response."""
+    url = urlsplit(stack.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as connection:
+        assert http_get(connection, "/health").startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert http_get(connection, "/health").startswith(b"HTTP/1.1 200")
 
 
 def test_chat_completion(client):

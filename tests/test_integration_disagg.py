@@ -56,6 +56,20 @@ async def clients(engines):
     await clients.close()
 
 
+async def test_each_worker_timed_a_prefill_at_start_up_and_indexed_none_of_its_blocks(engines):
+    """First in this module, before any request: the probe that calibrates orchestrators
+    (kvroute.worker.prefill_probe) is reported, and snapshots, which orchestrators build
+    their indexes from, hold none of its blocks."""
+    for worker in engines.values():
+        probe = worker.info["prefill_probe"]
+        assert probe["new_tokens"] == 128 and probe["seconds"] > 0, probe
+        client = WorkerClient(worker.rpc_address)
+        try:
+            assert (await client.snapshot()).blocks == []
+        finally:
+            await client.close()
+
+
 async def transfer_delta(clients: Clients, run):
     before = (await clients.prefill.stats(), await clients.decode.stats())
     result = await run()

@@ -63,3 +63,11 @@ def test_step_tokens_flag_reaches_the_engine(parser):
     assert engine_args(settings_of(parser, "prefill")).max_num_batched_tokens is None  # the engine's own default
     with pytest.raises(ValueError, match="step_tokens"):
         WorkerSettings(role="prefill", model="/models/m", step_tokens=0)
+
+
+def test_probe_tokens_flag(parser):
+    assert settings_of(parser, "prefill").probe_tokens == 128
+    assert settings_of(parser, "decode", "--probe-tokens", "0").probe_tokens == 0  # no probe
+    for bad in (-1, 4096):
+        with pytest.raises(ValueError, match="probe_tokens"):
+            WorkerSettings(role="prefill", model="/models/m", max_model_len=4096, probe_tokens=bad)

@@ -50,6 +50,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="most prompt tokens one engine step computes over all requests "
                              "(default: the engine's, 2048)")
+    parser.add_argument("--probe-tokens", type=int, default=defaults.probe_tokens,
+                        help="tokens of the timed prefill at start-up that tells orchestrators how fast "
+                             "this worker prefills before its first request; 0: none (default: %(default)s)")
     parser.add_argument("--omp-threads-bind", default=None,
                         help="CPU cores for the engine's OpenMP threads, e.g. '0' or '0-3' (CPU builds)")
     parser.add_argument("--transfer-cpus", default="",
@@ -78,7 +81,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         pull_timeout_seconds=args.pull_timeout_seconds, drain_seconds=args.drain_seconds,
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
-        step_tokens=args.step_tokens,
+        step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
         transfer_link=args.transfer_link)
 
 

@@ -2,7 +2,8 @@
 
 Start-up order: pick ports → start the engine (vLLM spawns the engine core and the
 model worker, where the connector's transfer endpoint binds) → read the KV layout
-from the transfer endpoint → serve RPC and heartbeats → announce readiness. SIGTERM
+from the transfer endpoint → time a prefill (``prefill_probe``) → serve RPC and
+heartbeats → announce readiness. SIGTERM
 drains the worker (``kvroute.worker.drain``): no new requests, the running ones and
 the leases they left end, then it stops; SIGINT, a second SIGTERM or ``drain_seconds``
 stop it at once. Stopping ends the RPC server, then the engine; nothing is left running.
@@ -24,6 +25,7 @@ from kvroute.worker.engine import KV_EVENTS_TOPIC, start_engine
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
+from kvroute.worker.prefill_probe import probe_prefill
 from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
@@ -47,15 +49,19 @@ class Worker:
         self.layout: wire.KVLayoutSpec | None = None
         self.fingerprint = model_fingerprint(self.settings.model)
         self.resident = ResidentBlocks()
+        self.prefill_probe: wire.PrefillProbe | None = None
         self._last_transfer = wire.TransferCounters()
 
     async def run(self) -> None:
         signals = StopSignals()
         self.engine = start_engine(self.settings, self.stats)
         try:
+            self.layout = (await self._transfer_stats(attempts=50)).layout
+            self.prefill_probe = await probe_prefill(self.engine, self.settings.probe_tokens)
+            # Followed only from here: the probe's blocks, gone with its cache reset, never
+            # enter the resident set that snapshots (and so orchestrators' indexes) are built from.
             tasks = [asyncio.create_task(follow(self.resident, tcp(_local(self.settings.bind_host), self.settings.kv_events_port),
                                                 KV_EVENTS_TOPIC))]
-            self.layout = (await self._transfer_stats(attempts=50)).layout
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat)
@@ -92,7 +98,8 @@ class Worker:
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
         return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
-                            draining=self.server is not None and self.server.draining)
+                            draining=self.server is not None and self.server.draining,
+                            prefill_probe=self.prefill_probe)
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)
@@ -154,7 +161,8 @@ class Worker:
                 "model_fingerprint": self.fingerprint,
                 "kv_events_address": self.settings.kv_events_address,
                 "transfer_address": self.settings.transfer_address,
-                "bytes_per_block": self.layout.bytes_per_block, "ready_at": time.time()}
+                "bytes_per_block": self.layout.bytes_per_block, "ready_at": time.time(),
+                "prefill_probe": wire.to_dict(self.prefill_probe) if self.prefill_probe else None}
         logger.info("worker ready: %s", json.dumps(info))
         if self.ready_file is not None:
             tmp = self.ready_file.with_suffix(".tmp")

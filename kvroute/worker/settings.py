@@ -44,6 +44,9 @@ class WorkerSettings:
     # Most prompt tokens one engine step computes over all requests; None: vLLM's default
     # (2,048). Smaller steps bound how long every running request waits for its next token.
     step_tokens: int | None = None
+    # Tokens of the timed prefill at start-up that calibrates orchestrators' cost models
+    # (kvroute.worker.prefill_probe); 0: none.
+    probe_tokens: int = 128
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
@@ -58,6 +61,8 @@ class WorkerSettings:
             raise ValueError("long_prefill_tokens must not be negative")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError("step_tokens must be positive")
+        if not 0 <= self.probe_tokens < self.max_model_len:
+            raise ValueError(f"probe_tokens must be in 0..{self.max_model_len - 1} (below max_model_len)")
         if self.lease_staging_gib < 0:
             raise ValueError("lease_staging_gib must not be negative")
         if self.drain_seconds < 0:
