@@ -152,9 +152,13 @@ class Cluster:
                      "--prefill-workers", str(PREFILL_WORKERS), "--decode-workers", str(DECODE_WORKERS),
                      "--allow-policy-override", "--kv-cache-gib", f"{kv_cache_gib:.4f}", "--dtype", dtype,
                      "--max-model-len", str(MAX_MODEL_LEN), "--log-dir", str(log_path.parent / "workers")]
+        # A process group of its own (stopped as one), in this script's session: with the cluster
+        # in a session of its own, the scheduler's autogroups shared the CPU between the cluster
+        # and this client as two groups, and under load the client sent requests up to 11 s late
+        # (results/measure_placement_s14, max_send_lateness_s; see kvroute.launcher.spawn).
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=REPO_ROOT, start_new_session=True)
+                                            cwd=REPO_ROOT, process_group=0)
 
     def wait_ready(self, timeout: float) -> list[dict]:
         """Until every worker registered (``/health`` needs only one of each role)."""

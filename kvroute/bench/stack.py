@@ -25,9 +25,11 @@ class Stack:
         self.log_path = log_path
         self.command = [sys.executable, "-m", "kvroute", "serve", "--port", str(self.port), *extra_args]
         env = {**os.environ, **({"KVROUTE_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
+        # Own process group, the caller's session: one scheduler autogroup with the client
+        # (kvroute.launcher.spawn).
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, process_group=0)
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until /health answered 200; raises if serve exits or times out first."""
@@ -99,7 +101,7 @@ class SyntheticStack:
                    for role, worker_id in zip(roles, worker_ids)]
         with open(log_path, "wb") as log:
             self.processes = [subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, start_new_session=True)
+                                               stdin=subprocess.DEVNULL, process_group=0)
                               for command in (self.command, *workers)]
         self.process = self.processes[0]  # the orchestrator
         self.worker_processes = dict(zip(worker_ids, self.processes[1:]))
