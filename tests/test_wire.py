@@ -95,9 +95,13 @@ HEARTBEAT_V2_HEX = (  # before ``transfer_address`` was appended
     "8a" + HEARTBEAT_V1_HEX[2:]
     + "a8647261696e696e67" "c2"  # draining: false
 )
-HEARTBEAT_HEX = (
+HEARTBEAT_V3_HEX = (  # before ``prefill_probe`` was appended
     "8b" + HEARTBEAT_V2_HEX[2:]
     + "b07472616e736665725f61646472657373" "a0"  # transfer_address: ""
+)
+HEARTBEAT_HEX = (
+    "8c" + HEARTBEAT_V3_HEX[2:]
+    + "ad70726566696c6c5f70726f6265" "c0"  # prefill_probe: nil
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -201,8 +205,8 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 
 
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
-                                              (HEARTBEAT_V2_HEX, HEARTBEAT)],
-                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2"])
+                                              (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT)],
+                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
