@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from kvroute.launcher import spawn
 from kvroute.netutil import free_port
 
 
@@ -25,11 +26,7 @@ class Stack:
         self.log_path = log_path
         self.command = [sys.executable, "-m", "kvroute", "serve", "--port", str(self.port), *extra_args]
         env = {**os.environ, **({"KVROUTE_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
-        # Own process group, the caller's session: one scheduler autogroup with the client
-        # (kvroute.launcher.spawn).
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, process_group=0)
+        self.process = spawn(self.command, log_path, env)  # the caller's session: one autogroup with the client
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until /health answered 200; raises if serve exits or times out first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from vllm import AsyncEngineArgs
@@ -70,3 +71,14 @@ def start_engine(settings: WorkerSettings, stats: EngineStats) -> AsyncLLM:
     settings.apply_environment()
     logger.info("starting vLLM engine for %s (%s, %s)", settings.worker_id, settings.model, settings.dtype)
     return AsyncLLM.from_engine_args(engine_args(settings), stat_loggers=[stats.logger_factory()])
+
+
+async def reset_prefix_cache(engine: AsyncLLM, attempts: int) -> bool:
+    """Empty the engine's prefix cache; True once it did. vLLM refuses while blocks are still
+    referenced, and freed blocks return to the pool on its next step, so try ``attempts``
+    times, 0.1 s apart."""
+    for _ in range(attempts):
+        if await engine.reset_prefix_cache():
+            return True
+        await asyncio.sleep(0.1)
+    return False

@@ -15,7 +15,6 @@ tenant's prompt; the prefix cache is reset afterwards, so they leave nothing beh
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from kvroute import wire
+from kvroute.worker.engine import reset_prefix_cache
 
 logger = logging.getLogger("kvroute.worker.prefill_probe")
 FIRST_TOKEN_ID = 1000  # clear of the special tokens at the start of most vocabularies
@@ -52,11 +52,8 @@ async def probe_prefill(engine, num_tokens: int) -> wire.PrefillProbe | None:
         return None
     await _prefill_seconds(engine, num_tokens)
     seconds = await _prefill_seconds(engine, num_tokens)
-    for _ in range(RESET_ATTEMPTS):
-        if await engine.reset_prefix_cache():
-            break
-        await asyncio.sleep(0.1)
-    else:  # harmless: salted blocks no prompt can match, evicted like any other
+    if not await reset_prefix_cache(engine, RESET_ATTEMPTS):
+        # harmless: salted blocks no prompt can match, evicted like any other
         logger.warning("the prefix cache kept the start-up probe's blocks")
     logger.info("start-up prefill probe: %d tokens in %.3f s", num_tokens, seconds)
     return wire.PrefillProbe(new_tokens=num_tokens, seconds=seconds)

@@ -21,7 +21,7 @@ import zmq
 
 from kvroute import wire
 from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
-from kvroute.worker.engine import KV_EVENTS_TOPIC, start_engine
+from kvroute.worker.engine import KV_EVENTS_TOPIC, reset_prefix_cache, start_engine
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
@@ -133,13 +133,11 @@ class Worker:
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
         """Release leases, then reset the prefix cache once vLLM has freed their blocks."""
         released = await self.release_leases("reset")
-        for _ in range(RESET_ATTEMPTS):
-            if await self.engine.reset_prefix_cache():
-                self.resident.clear()
-                logger.info("prefix cache reset (%d leases released)", released)
-                return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released)
-            await asyncio.sleep(0.1)  # freed blocks return to the pool on the engine's next step
-        return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released)
+        if not await reset_prefix_cache(self.engine, RESET_ATTEMPTS):
+            return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released)
+        self.resident.clear()
+        logger.info("prefix cache reset (%d leases released)", released)
+        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released)
 
     async def worker_stats(self) -> wire.WorkerStats:
         """Load and counters; if the (busy) transfer endpoint is slow, its last known counters."""
