@@ -157,10 +157,12 @@ async def test_held_lease_is_staged_and_the_producer_engine_goes_idle(clients, e
         num_blocks = math.ceil(source.num_tokens / source.block_size)
         assert held.transfer.active_leases == 1
         assert held.transfer.staged_bytes == num_blocks * held.load.bytes_per_block
-        await asyncio.sleep(0.5)  # let the step that reported the staging finish
-        cpu_cores = process_tree_cpu_cores(engines["prefill"].process.pid, seconds=2.0)
-        # An engine stepping for a held lease spins a whole core (1.1-1.5 cores measured).
-        assert cpu_cores < 0.75, f"the producer kept {cpu_cores:.2f} cores busy while its lease was held"
+        await asyncio.sleep(0.1)  # let the step that reported the staging finish
+        # Within the second after that step: an engine stepping for a held lease spins a whole
+        # core (1.1-1.5 cores measured), and so does vLLM's model worker waiting for its next
+        # command, unless the connector shortened that wait (transfer.idle_spin; 0.8 cores).
+        cpu_cores = process_tree_cpu_cores(engines["prefill"].process.pid, seconds=0.8)
+        assert cpu_cores < 0.35, f"the producer kept {cpu_cores:.2f} cores busy while its lease was held"
         # The staged copy still serves the decode worker, and the output is unchanged.
         reference = await run_single(clients.decode, "staged-ref", prompt, GREEDY_32, "reference-staged")
         rest = await _collect_chunks(clients.decode, wire.GenerateRequest(

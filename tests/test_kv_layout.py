@@ -141,6 +141,24 @@ def test_scatter_rewrites_only_the_target_blocks_of_a_populated_cache(layout):
             assert torch.equal(block_bytes(dst, layer, block_id), original)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_whole_copy_is_sent_as_it_lies_and_a_part_only_when_contiguous(layout):
+    """A staged copy is in wire format: all of it goes out without a copy in every layout;
+    a run of some of its blocks is a view only when blocks are the outer dimension."""
+    src = make_cache(layout, torch.bfloat16, SRC_BLOCKS, random=True, seed=6)
+    ids = [7, 1, 4, 9]
+    copy = src.copy_blocks(block_index_tensor(ids))[0]
+    whole = src.run_of_copy(copy, 0, len(ids))
+    assert whole is not None and whole.data_ptr() == copy.data_ptr() and whole.numel() == copy.numel()
+    part = src.run_of_copy(copy, 1, 2)
+    if src.block_dim == 0:
+        buffer = torch.empty(2 * src.layer_bytes_per_block, dtype=torch.uint8)
+        src.gather_layer(0, block_index_tensor(ids[1:3]), buffer)
+        assert part is not None and torch.equal(part, buffer)
+    else:
+        assert part is None
+
+
 def test_empty_transfer_writes_nothing():
     src = make_cache(_block_at_1, torch.float32, SRC_BLOCKS, random=True)
     dst = make_cache(_block_at_1, torch.float32, DST_BLOCKS, random=False)

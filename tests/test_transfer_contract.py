@@ -467,13 +467,14 @@ def stage(producer: Producer, lease: Lease) -> list[torch.Tensor]:
     return original
 
 
-@pytest.mark.parametrize("positions", [[1, 2, 3, 4], [0, 2, 4], [3, 1]], ids=["contiguous", "gaps", "reversed"])
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4], [1, 2, 3, 4], [0, 2, 4], [3, 1]],
+                         ids=["whole", "contiguous", "gaps", "reversed"])
 def test_staged_lease_is_served_from_its_copy(producer, consumer, context, positions):
     lease_blocks = (3, 7, 1, 10, 5)
     lease, source = producer.lease(lease_blocks, grant=False)
     producer.leases.grant(lease, staging_bytes=len(lease_blocks) * producer.cache.spec.bytes_per_block)
     original = stage(producer, lease)
-    local_ids = [9, 0, 4, 6][: len(positions)]
+    local_ids = [9, 0, 4, 6, 2][: len(positions)]
 
     assert pull_into(context, consumer, source, positions, local_ids) == len(positions) * consumer.spec.bytes_per_block
 

@@ -25,6 +25,7 @@ from transfer.block_client import ChannelPool, PullFailed, pull_blocks, release_
 from transfer.affinity import pin_current_thread, transfer_context, transfer_cpus
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
+from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
@@ -78,8 +79,11 @@ class ConnectorWorker:
                                   context=self._context, cpus=self._cpus,
                                   link_settings=self.settings.link_settings())
         self.server.start()
-        logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s",
-                    self.settings.transfer_bind, self.cache.spec, self._cpus)
+        shortened = shorten_idle_spin(self.settings.idle_spin_seconds)
+        logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s; "
+                    "%d command queue(s) spin at most %.3f s after a command",
+                    self.settings.transfer_bind, self.cache.spec, self._cpus, shortened,
+                    self.settings.idle_spin_seconds)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()

@@ -154,10 +154,14 @@ class PagedKVCache:
 
     def run_of_copy(self, copy: torch.Tensor, first: int, count: int) -> torch.Tensor | None:
         """Blocks ``first … first+count-1`` of a copy as a view in wire format, when they lie
-        contiguously (block dimension first); None otherwise."""
+        contiguously: all of the copy's blocks (a copy is in wire format), or any run when
+        the block dimension comes first; None otherwise (e.g. a suffix of a layout whose
+        keys and values are split before the block dimension)."""
+        block_bytes = self.layer_bytes_per_block
+        if first == 0 and count * block_bytes == copy.numel():
+            return copy
         if self.block_dim != 0:
             return None
-        block_bytes = self.layer_bytes_per_block
         return copy[first * block_bytes:(first + count) * block_bytes]
 
     def select_from_copy(self, copy: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:

@@ -27,6 +27,9 @@ class ConnectorSettings:
     # engine frees them at once instead of stepping until the lease ends; 0 keeps every
     # lease in place.
     staging_bytes: int = 1 << 30
+    # How long vLLM's model worker busy-waits for its next command after each one (vLLM's own:
+    # 1 s; see transfer.idle_spin); negative leaves vLLM's.
+    idle_spin_seconds: float = 0.02
     # CPUs of the transfer threads and their ZeroMQ I/O thread, e.g. "2-3"; empty: every CPU
     # (see transfer.affinity).
     transfer_cpus: str = ""
