@@ -217,6 +217,25 @@ def test_send_frame_copies_small_payloads_and_tracks_large_ones(context):
         receiver.close(linger=0)
 
 
+def test_an_untracked_zero_copy_send_keeps_its_memory_alive_until_libzmq_lets_go(context):
+    """A staged lease's runs go out untracked: nothing reuses them, and the frame must still
+    read the bytes after the sender dropped every reference of its own."""
+    address = "inproc://send-frame-untracked"
+    receiver = context.socket(zmq.PULL)
+    receiver.bind(address)
+    sender = context.socket(zmq.PUSH)
+    sender.connect(address)
+    try:
+        payload = torch.full((4 * ZERO_COPY_MIN_BYTES,), 7, dtype=torch.uint8)
+        assert send_frame(sender, [], payload, track=False) is None
+        del payload
+        frame = receiver.recv(copy=False)
+        assert np.all(np.frombuffer(frame.buffer, dtype=np.uint8) == 7)
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+
+
 @pytest.mark.timeout(30)
 def test_pool_honours_a_real_tracker(context):
     """Over inproc, a received zero-copy frame still points at our buffer until the

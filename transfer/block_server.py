@@ -277,7 +277,7 @@ class BlockServer:
         for copy in staged:
             run = cache.run_of_copy(copy, first, count) if contiguous else None
             if run is not None:
-                send_frame(self._socket, [identity], run)
+                send_frame(self._socket, [identity], run, track=False)
                 continue
             if positions is None:
                 positions = block_index_tensor(indices)

@@ -116,10 +116,14 @@ class SendBufferPool:
         return slot
 
 
-def send_frame(socket: zmq.Socket, prefix: list[bytes], payload: torch.Tensor) -> zmq.MessageTracker | None:
-    """Send ``prefix`` frames then ``payload``; zero-copy (tracked) when it is large."""
+def send_frame(socket: zmq.Socket, prefix: list[bytes], payload: torch.Tensor, flags: int = 0,
+               track: bool = True) -> zmq.MessageTracker | None:
+    """Send ``prefix`` frames then ``payload``; zero-copy when it is large, tracked unless
+    ``track`` is False: for memory never written again, whose reference pyzmq holds until
+    libzmq lets go, a tracker only costs time (~0.1 ms a send). ``flags``: e.g. zmq.NOBLOCK."""
     view = memoryview(payload.numpy())
     if payload.numel() < ZERO_COPY_MIN_BYTES:
-        socket.send_multipart([*prefix, view], copy=True)
+        socket.send_multipart([*prefix, view], flags, copy=True)
         return None
-    return socket.send_multipart([*prefix, view], copy=False, track=True)
+    tracker = socket.send_multipart([*prefix, view], flags, copy=False, track=track)
+    return tracker if track else None

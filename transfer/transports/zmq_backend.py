@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import zmq
@@ -26,6 +28,8 @@ from transfer.transports.settings import LinkOptions
 # costs ~0.1 ms in pyzmq (an Event per message, set from its gc thread under the GIL):
 # a third of an 8 MiB transfer in 32 frames, sent one per message.
 MESSAGE_BYTES = 1 << 20
+
+T = TypeVar("T")
 
 
 def message_groups(frame_bytes: tuple[int, ...]) -> list[range]:
@@ -47,6 +51,18 @@ def _wait_for(socket: zmq.Socket, event: int, deadline: float, what: str) -> Non
         raise TransportTimeout(f"deadline passed waiting for {what}")
 
 
+def send_by_deadline(socket: zmq.Socket, send: Callable[[int], T], deadline: float, what: str) -> T:
+    """``send(flags)`` once the socket takes it, never blocking past ``deadline``. A PUSH
+    socket can poll writable and lose its only peer before the send: a blocking send would
+    then wait for a new peer forever, so the send never blocks and a refusal polls again."""
+    while True:
+        _wait_for(socket, zmq.POLLOUT, deadline, what)
+        try:
+            return send(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+
+
 class ZmqSender(Sender):
     def __init__(self, options: LinkOptions, socket: zmq.Socket, name: str, ipc_path: str | None):
         super().__init__(options)
@@ -56,15 +72,15 @@ class ZmqSender(Sender):
 
     def _send_header(self, packed: bytes, deadline: float) -> None:
         # PUSH is not writable before a receiver connected, so a peer that never joined times out.
-        _wait_for(self._socket, zmq.POLLOUT, deadline, "the receiver to accept frames")
-        self._socket.send(packed)
+        send_by_deadline(self._socket, lambda flags: self._socket.send(packed, flags), deadline,
+                         "the receiver to accept frames")
 
     def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
         return message_groups(frame_bytes)
 
     def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> zmq.MessageTracker | None:
-        _wait_for(self._socket, zmq.POLLOUT, deadline, "the receiver to accept frames")
-        return send_frame(self._socket, [], buffer)
+        return send_by_deadline(self._socket, lambda flags: send_frame(self._socket, [], buffer, flags), deadline,
+                                "the receiver to accept frames")
 
     def _translate(self, error: BaseException) -> TransportError | None:
         if isinstance(error, zmq.NotDone):
