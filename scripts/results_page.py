@@ -8,7 +8,7 @@ cores of its own (no CPU contention), on two workloads:
   (as ``validate_simulator.py --scale`` does): repositories and rate in proportion to the
   prefill workers, the KV cache per engine unchanged, so every size has the same load
   and cache pressure per worker; ``REQUESTS_PER_PREFILL`` requests per prefill worker,
-  at most ``MAX_REQUESTS`` (the 1,000-worker run has fewer per repository: see the page);
+  at most ``MAX_REQUESTS`` (a size over the cap gets fewer per repository: the page says so);
 * **the trace** (shared/data's Mooncake synthetic trace, scaled as ``simulate.py`` does),
   with a time scale per size from ``simulator.scaling.trace_time_scale``: the same
   cold-prefill load per prefill worker at every size.
@@ -64,7 +64,7 @@ from simulator.scaling import cold_prefill_seconds, scale_repository_assistant, 
 from simulator.sequence import ceil_div  # noqa: E402
 
 SIZES, QUICK_SIZES = (1, 4, 32, 500), (1, 4)  # prefill workers; as many decode workers
-REQUESTS_PER_PREFILL, MAX_REQUESTS = 100, 10_000
+REQUESTS_PER_PREFILL, MAX_REQUESTS = 100, 50_000
 QUICK_REQUESTS_PER_PREFILL, QUICK_TRACE_RECORDS = 10, 100
 CDF_WORKERS = 8
 REPOSITORY, TRACE = "repository-assistant", "trace"
