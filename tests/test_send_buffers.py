@@ -3,6 +3,7 @@ in flight; finished buffers are reused, storage and all."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -196,13 +197,22 @@ def test_reclaim_with_every_buffer_handed_out_says_so():
 # ---------------------------------------------------------------- with real sockets
 
 
-def test_send_frame_copies_small_payloads_and_tracks_large_ones(context):
-    address = "inproc://send-frame-threshold"
+@contextlib.contextmanager
+def inproc_pair(context: zmq.Context, name: str):
+    """A connected (PUSH sender, PULL receiver) over inproc, closed afterwards."""
     receiver = context.socket(zmq.PULL)
-    receiver.bind(address)
+    receiver.bind(f"inproc://{name}")
     sender = context.socket(zmq.PUSH)
-    sender.connect(address)
+    sender.connect(f"inproc://{name}")
     try:
+        yield sender, receiver
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+
+
+def test_send_frame_copies_small_payloads_and_tracks_large_ones(context):
+    with inproc_pair(context, "send-frame-threshold") as (sender, receiver):
         small = torch.full((ZERO_COPY_MIN_BYTES - 1,), 3, dtype=torch.uint8)
         assert send_frame(sender, [b"s"], small) is None
         large = torch.full((ZERO_COPY_MIN_BYTES,), 4, dtype=torch.uint8)
@@ -212,42 +222,26 @@ def test_send_frame_copies_small_payloads_and_tracks_large_ones(context):
         assert receiver.recv_multipart() == [b"l", bytes(large.numpy())]
         tracker.wait(5)
         assert tracker.done
-    finally:
-        sender.close(linger=0)
-        receiver.close(linger=0)
 
 
 def test_an_untracked_zero_copy_send_keeps_its_memory_alive_until_libzmq_lets_go(context):
     """A staged lease's runs go out untracked: nothing reuses them, and the frame must still
     read the bytes after the sender dropped every reference of its own."""
-    address = "inproc://send-frame-untracked"
-    receiver = context.socket(zmq.PULL)
-    receiver.bind(address)
-    sender = context.socket(zmq.PUSH)
-    sender.connect(address)
-    try:
+    with inproc_pair(context, "send-frame-untracked") as (sender, receiver):
         payload = torch.full((4 * ZERO_COPY_MIN_BYTES,), 7, dtype=torch.uint8)
         assert send_frame(sender, [], payload, track=False) is None
         del payload
         frame = receiver.recv(copy=False)
         assert np.all(np.frombuffer(frame.buffer, dtype=np.uint8) == 7)
-    finally:
-        sender.close(linger=0)
-        receiver.close(linger=0)
 
 
 @pytest.mark.timeout(30)
 def test_pool_honours_a_real_tracker(context):
     """Over inproc, a received zero-copy frame still points at our buffer until the
     receiver drops it: the pool must not hand that buffer out meanwhile."""
-    address = "inproc://send-buffer-tracker"
-    receiver = context.socket(zmq.PULL)
-    receiver.bind(address)
-    sender = context.socket(zmq.PUSH)
-    sender.connect(address)
     pool = SendBufferPool()
     nbytes = 4 * ZERO_COPY_MIN_BYTES
-    try:
+    with inproc_pair(context, "send-buffer-tracker") as (sender, receiver):
         slot, buffer = pool.acquire(nbytes)
         buffer.fill_(0xAB)
         tracker = send_frame(sender, [], buffer)
@@ -264,9 +258,6 @@ def test_pool_honours_a_real_tracker(context):
         again_slot, again = pool.acquire(nbytes)
         assert again_slot in (slot, other_slot)
         assert pool.num_in_flight() == 0
-    finally:
-        sender.close(linger=0)
-        receiver.close(linger=0)
 
 
 def _sizes():

@@ -15,9 +15,6 @@ sleeping reader is woken by the writer's notification.
 from __future__ import annotations
 
 import gc
-import logging
-
-logger = logging.getLogger("kvroute.transfer.idle_spin")
 
 
 def shorten_idle_spin(seconds: float) -> int:

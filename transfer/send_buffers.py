@@ -125,5 +125,4 @@ def send_frame(socket: zmq.Socket, prefix: list[bytes], payload: torch.Tensor, f
     if payload.numel() < ZERO_COPY_MIN_BYTES:
         socket.send_multipart([*prefix, view], flags, copy=True)
         return None
-    tracker = socket.send_multipart([*prefix, view], flags, copy=False, track=track)
-    return tracker if track else None
+    return socket.send_multipart([*prefix, view], flags, copy=False, track=track)
