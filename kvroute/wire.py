@@ -156,6 +156,7 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     leases_staged: int = 0  # leases copied to host buffers, so the engine freed their blocks
     staged_bytes: int = 0  # host bytes held (or being copied) for staged leases now
     links_opened: int = 0  # transport links this end accepted (producer) or opened (consumer)
+    shared_pulls: int = 0  # pulls served (producer) or read (consumer) from a shared-memory copy
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -257,15 +258,31 @@ class PullBlocks(_Message, tag="pull"):
     handle: str
     block_indices: list[int]
     layout: KVLayoutSpec
+    # The consumer's shared-memory host (``transfer.shared_copies.local_host``); a producer
+    # on the same host may answer with a SharedCopyRef instead of frames. Empty: frames only.
+    host: str = ""
+
+
+class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """Where a staged lease's copy lies in the producer's memory (``transfer.shared_copies``):
+    an anonymous file, open as ``fd`` in process ``pid``, whose link names ``name``; every
+    layer's ``num_blocks`` blocks in wire format, one layer after another."""
+
+    pid: int
+    fd: int
+    name: str
+    num_blocks: int
 
 
 class PullHeader(_Message, tag="pull_header"):
-    """Answer to PullBlocks; when ``ok``, ``num_layers`` data messages follow."""
+    """Answer to PullBlocks; when ``ok``, ``num_layers`` data messages follow, unless
+    ``shared_copy`` is set: then the consumer reads the blocks from it and nothing follows."""
 
     ok: bool
     error: str = ""
     num_blocks: int = 0
     num_layers: int = 0
+    shared_copy: SharedCopyRef | None = None
 
 
 class ReleaseLease(_Message, tag="release"):

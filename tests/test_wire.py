@@ -108,7 +108,7 @@ PULL_BLOCKS = wire.PullBlocks(
     handle="ff" * 16, block_indices=[0, 2],
     layout=wire.KVLayoutSpec(dtype="bfloat16", num_layers=2, block_dim=1, block_shape=[2, 4, 16, 8],
                              block_size=16, bytes_per_block=4096))
-PULL_BLOCKS_HEX = (
+PULL_BLOCKS_V1_HEX = (  # before ``host`` was appended
     "84"
     "a474797065" "a470756c6c"  # type: "pull"
     "a668616e646c65" "d920" + "66" * 32 +  # handle: "ff…" (32 chars)
@@ -120,6 +120,26 @@ PULL_BLOCKS_HEX = (
     "ab626c6f636b5f7368617065" "9402041008"  # block_shape: [2, 4, 16, 8]
     "aa626c6f636b5f73697a65" "10"  # block_size: 16
     "af62797465735f7065725f626c6f636b" "cd1000"  # bytes_per_block: 4096
+)
+PULL_BLOCKS_HEX = (
+    "85" + PULL_BLOCKS_V1_HEX[2:]
+    + "a4686f7374" "a0"  # host: ""
+)
+
+PULL_HEADER_SHARED = wire.PullHeader(ok=True, num_blocks=2, num_layers=30,
+                                     shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5))
+PULL_HEADER_SHARED_HEX = (
+    "86"
+    "a474797065" "ab70756c6c5f686561646572"  # type: "pull_header"
+    "a26f6b" "c3"  # ok: true
+    "a56572726f72" "a0"  # error: ""
+    "aa6e756d5f626c6f636b73" "02"  # num_blocks: 2
+    "aa6e756d5f6c6179657273" "1e"  # num_layers: 30
+    "ab7368617265645f636f7079" "84"  # shared_copy: map of 4
+    "a3706964" "4d"  # pid: 77
+    "a26664" "09"  # fd: 9
+    "a46e616d65" "b06b76726f7574652d6c656173652d6162"  # name: "kvroute-lease-ab"
+    "aa6e756d5f626c6f636b73" "05"  # num_blocks: 5
 )
 
 ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")
@@ -174,7 +194,7 @@ PULL_OVER_LINK = wire.PullOverLink(handle="ff" * 16, block_indices=[0, 2], layou
 PULL_OVER_LINK_HEX = (
     "86"
     "a474797065" "a970756c6c5f6c696e6b"  # type: "pull_link"
-    + PULL_BLOCKS_HEX[2 + len("a474797065" "a470756c6c"):]  # handle, block_indices, layout as in PullBlocks
+    + PULL_BLOCKS_V1_HEX[2 + len("a474797065" "a470756c6c"):]  # handle, block_indices, layout as in PullBlocks
     + "a76c696e6b5f6964" "a86162616261626162"  # link_id: "abababab"
     "ab7472616e736665725f6964" "03"  # transfer_id: 3
 )
@@ -184,6 +204,7 @@ GOLDEN = [
     pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
     pytest.param(HEARTBEAT, HEARTBEAT_HEX, id="Heartbeat"),
     pytest.param(PULL_BLOCKS, PULL_BLOCKS_HEX, id="PullBlocks"),
+    pytest.param(PULL_HEADER_SHARED, PULL_HEADER_SHARED_HEX, id="PullHeader-shared-copy"),
     pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
     pytest.param(LINK_HELLO, LINK_HELLO_HEX, id="LinkHello"),
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
@@ -205,8 +226,9 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 
 
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
-                                              (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT)],
-                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3"])
+                                              (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
+                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
+                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "PullBlocks-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

@@ -7,15 +7,20 @@ from a crashed producer would wait forever.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
+import msgspec
 import torch
 import zmq
 
 from kvroute import wire
+from transfer.shared_copies import SharedCopyUnavailable, local_host
+
+logger = logging.getLogger("kvroute.transfer.client")
 
 
 class PullFailed(RuntimeError):
@@ -121,20 +126,35 @@ def frame_as_tensor(frame: zmq.Frame) -> torch.Tensor:
 
 
 LayerSink = Callable[[int, torch.Tensor], None]
+# Reads every requested block from a producer's shared copy into the cache; returns the
+# bytes read or raises SharedCopyUnavailable (see transfer.shared_copies.read_shared_copy).
+SharedCopyReader = Callable[[wire.SharedCopyRef], int]
 
 
 def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Sequence[int],
                 layout: wire.KVLayoutSpec, on_layer: LayerSink, deadline: float,
-                channels: ChannelPool | None = None) -> int:
+                channels: ChannelPool | None = None, read_shared: SharedCopyReader | None = None) -> int:
     """Pull the given lease positions; ``on_layer(layer, data)`` stores each layer.
+
+    With ``read_shared``, a producer on this host may offer the lease's copy in shared
+    memory instead, which ``read_shared`` reads; when it cannot, the layers are asked for
+    again as frames on the same connection.
 
     Returns the number of bytes received. Raises PullFailed on refusal, a short or
     missing frame, or the deadline.
     """
+    request = wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout,
+                              host=local_host() if read_shared is not None else "")
     try:
         with _exchange(context, source.address, deadline, channels) as channel:
-            header = _request_pull(channel, wire.PullBlocks(handle=source.handle, block_indices=list(block_indices),
-                                                            layout=layout))
+            header = _request_pull(channel, request)
+            if header.shared_copy is not None:
+                try:
+                    return read_shared(header.shared_copy)
+                except SharedCopyUnavailable as error:
+                    logger.warning("reading the shared copy of %s failed (%s); pulling its layers as frames",
+                                   source.address, error)
+                    header = _request_pull(channel, msgspec.structs.replace(request, host=""))
             expected = len(block_indices) * layout.bytes_per_block // layout.num_layers
             for layer in range(header.num_layers):
                 frame = channel.receive_frame()

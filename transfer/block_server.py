@@ -5,6 +5,8 @@ reads; a staged lease (see ``transfer.leases``) is served from its own host copy
 Protocol over one ROUTER socket (client: a DEALER)::
 
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
+    PullBlocks from this host, staged lease ──▶ PullHeader(ok, shared_copy): the consumer
+        reads the lease's copy itself (transfer.shared_copies); no frames follow
     OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
     PullOverLink ──▶ PullHeader(ok), the layers as one transfer over the consumer's link
     ReleaseLease ──▶ ReleaseReply
@@ -41,6 +43,7 @@ from transfer.leases import LeaseTable
 from transfer.link_control import LINK_OPEN_SECONDS, ProducerControl
 from transfer.pull_records import PullRecords
 from transfer.send_buffers import SendBufferPool, send_frame
+from transfer.shared_copies import local_host
 from transfer.transports.base import Sender
 from transfer.transports.errors import TransportError
 from transfer.transports.links import open_sender
@@ -221,6 +224,8 @@ class BlockServer:
                 self._links.pop(request.link_id, None)
                 self._refuse(identity, "unknown or closed link; open a new one")
                 return
+        if self._offer_shared_copy(identity, request, lease):
+            return
         self._reply(identity, wire.PullHeader(ok=True, num_blocks=len(block_ids),
                                               num_layers=self.cache.spec.num_layers))
         if link is not None:
@@ -230,6 +235,18 @@ class BlockServer:
         else:
             self._send_layers(identity, block_ids)
         self.leases.mark_pulled(lease.handle)
+
+    def _offer_shared_copy(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
+        """Answer a consumer on this host with the staged copy itself; False: send frames."""
+        if not (isinstance(request, wire.PullBlocks) and request.host and lease.shared is not None
+                and request.host == local_host()):
+            return False
+        count = len(request.block_indices)
+        self._reply(identity, wire.PullHeader(ok=True, num_blocks=count, num_layers=self.cache.spec.num_layers,
+                                              shared_copy=lease.shared.ref(len(lease.block_ids))))
+        self.counters.add(bytes_sent=count * self.cache.spec.bytes_per_block, blocks_sent=count, shared_pulls=1)
+        self.leases.mark_pulled(lease.handle)
+        return True
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks | wire.PullOverLink, leased: tuple[int, ...]) -> list[int]:

@@ -31,6 +31,7 @@ from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
 from transfer.pull_records import PullRecords
+from transfer.shared_copies import read_shared_copy, stage_shared
 from transfer.transports.links import LinkTable
 from transfer.settings import ConnectorSettings
 
@@ -115,13 +116,23 @@ class ConnectorWorker:
         return nbytes
 
     def _stage(self, lease: Lease) -> None:
-        """Copy a lease's blocks out of the engine's cache so the engine can free them."""
+        """Copy a lease's blocks out of the engine's cache so the engine can free them:
+        into shared memory, which consumers on this host read directly, when it can be had."""
+        block_ids = block_index_tensor(lease.block_ids)
+        layers, shared = None, None
         try:
-            layers = self.cache.copy_blocks(block_index_tensor(lease.block_ids))
+            if self.settings.shared_copies:
+                try:
+                    layers, shared = stage_shared(self.cache, block_ids)
+                except OSError as error:  # e.g. out of descriptors: a private copy still frees the blocks
+                    logger.warning("no shared copy for request %s's lease (%s); staging it privately",
+                                   lease.request_id, error)
+            if layers is None:
+                layers = self.cache.copy_blocks(block_ids)
         except Exception:  # the lease stays in place and is still served
             logger.exception("staging the lease of request %s failed; holding its blocks", lease.request_id)
             layers = None
-        self.leases.finish_staging(lease.handle, layers)
+        self.leases.finish_staging(lease.handle, layers, shared)
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
@@ -162,10 +173,22 @@ class ConnectorWorker:
         store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
         if not self.settings.uses_links:
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
-                               self._channels)
+                               self._channels, read_shared=self._shared_reader(load))
         link = self._links.get(load.source.address)
         return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline,
                               self._channels)
+
+    def _shared_reader(self, load: LoadSpec):
+        """Reads a producer's shared copy into this load's blocks, if this cache can take it."""
+        cache = self.cache
+        if not (self.settings.shared_copies and cache.is_host_memory and cache.layers[0].is_contiguous()):
+            return None
+
+        def read(ref) -> int:
+            nbytes = read_shared_copy(ref, cache, load.local_block_ids, load.remote_indices)
+            self.counters.add(shared_pulls=1)
+            return nbytes
+        return read
 
     def _open_link(self, address: str) -> ConsumerLink:
         assert self.cache is not None, "KV caches were never registered"

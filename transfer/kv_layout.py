@@ -141,16 +141,40 @@ class PagedKVCache:
 
     # ------------------------------------------------------------ copies (staged leases)
 
-    def copy_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every layer's given blocks, in order, as new contiguous byte tensors (wire format)."""
+    def copy_blocks(self, block_ids: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Every layer's given blocks, in order, as contiguous byte tensors (wire format):
+        new ones, or consecutive slices of ``into`` (bytes, one layer after another)."""
+        nbytes = len(block_ids) * self.layer_bytes_per_block
         copies = []
         for layer in range(self.spec.num_layers):
-            # On the cache's own device: an indexed copy cannot write across devices.
-            out = torch.empty(len(block_ids) * self.layer_bytes_per_block, dtype=torch.uint8,
-                              device=self.layers[layer].device)
+            if into is None:
+                # On the cache's own device: an indexed copy cannot write across devices.
+                out = torch.empty(nbytes, dtype=torch.uint8, device=self.layers[layer].device)
+            else:
+                out = into[layer * nbytes:(layer + 1) * nbytes]
             self.gather_layer(layer, block_ids, out)
             copies.append(out)
         return tuple(copies)
+
+    def rows_of_runs(self, layer_index: int, local_block_ids: Sequence[int], positions: Sequence[int],
+                     copy_blocks: int) -> list[tuple[int, list[memoryview]]]:
+        """Where blocks ``positions`` of a copy of ``copy_blocks`` blocks (one layer of
+        ``copy_blocks``' output) land in this layer, at ``local_block_ids``: for each run of
+        consecutive positions under each leading index (e.g. keys, then values), the run's
+        byte offset in the copy and the destination rows it fills, in order. Consecutive
+        local blocks share one buffer. Host-memory, contiguous layers only."""
+        layer = self.layers[layer_index]
+        if not (layer.is_contiguous() and layer.device.type == "cpu"):
+            raise LayoutMismatch("reading a copy into rows needs a contiguous host-memory cache")
+        _check_range(positions, copy_blocks, "position")
+        _check_range(local_block_ids, self.num_blocks, "block id")
+        rows = self._wire_rows(layer, self.num_blocks)
+        row_bytes = rows.shape[-1]
+        rows = rows.reshape(-1, self.num_blocks, row_bytes).numpy()
+        runs = consecutive_runs(positions, local_block_ids)
+        return [((lead * copy_blocks + first_position) * row_bytes,
+                 [memoryview(rows[lead, first:first + count]) for first, count in segments])
+                for lead in range(rows.shape[0]) for first_position, segments in runs]
 
     def run_of_copy(self, copy: torch.Tensor, first: int, count: int) -> torch.Tensor | None:
         """Blocks ``first … first+count-1`` of a copy as a view in wire format, when they lie
@@ -191,6 +215,30 @@ def _on_device(block_ids: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     ``block_index_tensor``), and CUDA's indexed copies want the index on the GPU.
     A no-op for host caches."""
     return block_ids.to(layer.device, non_blocking=True)
+
+
+def consecutive_runs(positions: Sequence[int], local_ids: Sequence[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Pairs (position, local id) grouped into runs of consecutive positions: per run its
+    first position and its (first local id, count) segments of consecutive local ids."""
+    runs: list[tuple[int, list[tuple[int, int]]]] = []
+    previous: tuple[int, int] | None = None
+    for position, local in zip(positions, local_ids, strict=True):
+        if previous is not None and position == previous[0] + 1:
+            segments = runs[-1][1]
+            if local == previous[1] + 1:
+                segments[-1] = (segments[-1][0], segments[-1][1] + 1)
+            else:
+                segments.append((local, 1))
+        else:
+            runs.append((position, [(local, 1)]))
+        previous = (position, local)
+    return runs
+
+
+def _check_range(values: Sequence[int], limit: int, what: str) -> None:
+    for value in values:
+        if not 0 <= value < limit:
+            raise IndexError(f"{what} {value} outside 0..{limit - 1}")
 
 
 def block_index_tensor(block_ids: Sequence[int]) -> torch.Tensor:

@@ -31,8 +31,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transfer.shared_copies import SharedCopy
 
 REMEMBERED_EXPIRED_HANDLES = 4096  # ~150 KB; a late pull comes seconds after expiry, not 4096 leases later
 
@@ -48,6 +52,9 @@ class Lease:
     staged: tuple[torch.Tensor, ...] | None = None
     staged_bytes: int = 0  # charged to the staging budget (also while the copy runs)
     pulled: bool = False  # served at least once (an expiry then means a lost acknowledgement)
+    # The shared-memory file ``staged`` lies in, for consumers on this host; closed when the
+    # lease ends (transfer.shared_copies).
+    shared: SharedCopy | None = None
 
 
 class LeaseTable:
@@ -78,8 +85,10 @@ class LeaseTable:
             self._leases[lease.handle] = lease
             self.num_granted += 1
 
-    def finish_staging(self, handle: str, layers: tuple[torch.Tensor, ...] | None) -> bool:
-        """The copy is done (``layers``) or failed (None: the lease stays in place).
+    def finish_staging(self, handle: str, layers: tuple[torch.Tensor, ...] | None,
+                       shared: SharedCopy | None = None) -> bool:
+        """The copy is done (``layers``, in ``shared`` if given) or failed (None: the lease
+        stays in place).
 
         Returns whether the lease is still live."""
         with self._lock:
@@ -89,13 +98,15 @@ class LeaseTable:
                 request_id, reserved = ending
                 self.staged_bytes -= reserved
                 self._ended_request_ids.add(request_id)
+                if shared is not None:
+                    shared.close()
                 return False
             lease = self._leases[handle]
             if layers is None:
                 self.staged_bytes -= lease.staged_bytes
                 self._leases[handle] = replace(lease, staged_bytes=0)
             else:
-                self._leases[handle] = replace(lease, staged=layers)
+                self._leases[handle] = replace(lease, staged=layers, shared=shared)
                 self.num_staged += 1
                 self._ended_request_ids.add(lease.request_id)  # the engine's blocks are free now
             return True
@@ -145,6 +156,8 @@ class LeaseTable:
 
     def _end(self, lease: Lease) -> None:
         """Caller holds the lock and has removed the lease."""
+        if lease.shared is not None:
+            lease.shared.close()  # a consumer reading it holds its own descriptor
         if lease.handle in self._staging:
             # Reported, and its reservation returned, once the copy stops reading.
             self._ending[lease.handle] = (lease.request_id, lease.staged_bytes)

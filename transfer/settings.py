@@ -37,6 +37,9 @@ class ConnectorSettings:
     # or over a transport link per producer–consumer pair (transfer.link_control): "auto"
     # (CUDA caches: nccl; one host: zmq-ipc; else zmq-tcp) or a backend name forcing it.
     transfer_link: str = "endpoint"
+    # Stage leases in shared memory, and read a producer's staged copy straight into this
+    # cache when both ends run on one host (transfer.shared_copies); off: always frames.
+    shared_copies: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":

@@ -62,6 +62,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how pulled KV travels: 'endpoint', back on the pull's own connection, or a "
                              "transport link per worker pair: 'auto' (CUDA caches: nccl; one host: zmq-ipc; "
                              "else zmq-tcp) or a backend forcing it (default: %(default)s)")
+    parser.add_argument("--no-shared-copies", dest="shared_copies", action="store_false",
+                        help="stage leases in private memory and always send pulled KV as frames, also "
+                             "between workers on one host (default: a consumer on the producer's host reads "
+                             "the staged copy from shared memory straight into its cache)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
@@ -82,7 +86,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
         step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
-        transfer_link=args.transfer_link)
+        transfer_link=args.transfer_link, shared_copies=args.shared_copies)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_cpus": settings.transfer_cpus,
             "pull_timeout_seconds": settings.pull_timeout_seconds,
             "transfer_link": settings.transfer_link,
+            "shared_copies": settings.shared_copies,
         },
     )
 

@@ -50,6 +50,8 @@ class WorkerSettings:
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
+    # Leases staged in shared memory, read in place by consumers on this host (transfer.shared_copies).
+    shared_copies: bool = True
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):

@@ -10,8 +10,9 @@ from kvroute.bench.workloads.base import TokenCounter
 
 
 def _default_model_dir() -> Path:
-    from kvroute.model_prep import model_dir
-    return model_dir()
+    # Prepared on first use (cached afterwards), so a benchmark runs on a fresh machine too.
+    from kvroute.model_prep import prepare_model
+    return prepare_model(progress=False)
 
 
 def load_tokenizer(model: str | Path | None = None):
