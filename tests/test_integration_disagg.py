@@ -91,7 +91,7 @@ async def test_outputs_identical_to_single_engine(clients, tokenizer):
     assert min(lengths) < 128 and max(lengths) >= 6 * 128, lengths
 
 
-def _assert_loaded_not_recomputed(record, before, after) -> None:
+def _assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> None:
     producer_before, consumer_before = before
     producer_after, consumer_after = after
     bytes_per_block = consumer_after.load.bytes_per_block
@@ -108,6 +108,10 @@ def _assert_loaded_not_recomputed(record, before, after) -> None:
     assert record.transfer is not None and record.transfer.ok
     assert record.transfer.num_bytes == bytes_moved and record.transfer.seconds > 0
     assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
+    # Both workers run on this host, so the blocks came from the producer's shared copy
+    # (transfer.shared_copies) unless the consumer was started with --no-shared-copies.
+    shared_pulls = consumer_after.transfer.shared_pulls - consumer_before.transfer.shared_pulls
+    assert shared_pulls == (int(blocks_moved > 0) if shared else 0)
     # vLLM's own accounting: every prompt token not found locally came from the transfer.
     assert external == prompt_tokens - local_hit
     assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
@@ -133,6 +137,34 @@ async def test_delta_transfer_moves_only_missing_blocks(clients, tokenizer):
     assert blocks_moved == math.ceil(len(prompt2) / block_size) - local_hit // block_size
     assert blocks_moved < math.ceil(len(prompt2) / block_size)
     _assert_loaded_not_recomputed(second, before, after)
+
+
+@pytest.fixture(scope="module")
+def frames_decode_worker(tmp_path_factory):
+    """A decode worker that takes every pull as ZeroMQ frames, as one on another host would."""
+    worker = start_worker("decode", tmp_path_factory.mktemp("frames-decode"), "1",
+                          ["--no-shared-copies", "--pull-timeout-seconds", "3"])
+    try:
+        worker.wait_ready(START_TIMEOUT)
+        yield worker
+    finally:
+        worker.stop()
+
+
+async def test_frames_path_outputs_identical_to_single_engine(clients, frames_decode_worker, tokenizer):
+    frames = Clients(clients.prefill, WorkerClient(frames_decode_worker.rpc_address))
+    try:
+        prompt = chat_prompt(tokenizer, question(6))
+        reference = await run_single(clients.decode, "frames-ref", prompt, GREEDY_32, "reference-frames")
+        record, before, after = await transfer_delta(
+            frames, lambda: run_disaggregated(frames, "frames-disagg", prompt, GREEDY_32))
+        assert record.token_ids == reference
+        _assert_loaded_not_recomputed(record, before, after, shared=False)
+        block_size = after[1].load.block_size
+        assert after[1].transfer.blocks_received - before[1].transfer.blocks_received == math.ceil(
+            len(prompt) / block_size)  # a fresh worker: every block came as frames
+    finally:
+        await frames.decode.close()
 
 
 async def test_first_token_that_ends_the_request_releases_the_lease(clients, tokenizer):
