@@ -48,4 +48,4 @@ class Feedback:
         if idle_at_start and actual.ttft is not None and actual.reused_tokens is not None:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens
-            self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft)
+            self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling)

@@ -276,3 +276,50 @@ def test_before_enough_points_anywhere_the_pool_borrows_the_scaled_defaults():
     assert calibrator.fitted() == {}
     assert model.coefficients_for("decode") == model.coefficients_for("prefill") == calibrator.pooled()
     assert calibrator.pooled() != cost.DEFAULT_PREFILL
+
+
+def test_each_worker_gets_its_speed_against_its_class():
+    """Two prefill workers share one fit; the one sharing its core with a busy neighbour
+    runs 1.5x slower than the other, and the model prices each as it runs."""
+    calibration = Calibration()
+    for new, cached, seconds in noisy_prefills(40, noise=0.01):
+        calibration.observe_prefill("prefill", new, cached, seconds, worker_id="fast")
+        calibration.observe_prefill("prefill", new, cached, 1.5 * seconds, worker_id="slow")
+    model = calibration.calibrated_model()
+    assert model.prefill_speed["slow"] / model.prefill_speed["fast"] == pytest.approx(1.5, rel=0.03)
+    class_estimate = cost.prefill_seconds(model, 1000, 0, "prefill")
+    assert cost.prefill_seconds(model, 1000, 0, "prefill", "slow") == pytest.approx(
+        model.prefill_speed["slow"] * class_estimate)
+    assert cost.prefill_seconds(model, 1000, 0, "prefill", "unseen") == class_estimate
+
+
+def test_a_worker_speed_needs_a_few_prefills_and_follows_recent_ones():
+    calibration = Calibration()
+    points = list(noisy_prefills(60, noise=0.0))
+    for new, cached, seconds in points[:20]:
+        calibration.observe_prefill("prefill", new, cached, seconds, worker_id="steady")
+    for new, cached, seconds in points[20:23]:
+        calibration.observe_prefill("prefill", new, cached, 2 * seconds, worker_id="new")
+    assert "new" not in calibration.calibrated_model().prefill_speed  # three prefills say too little
+    calibration.observe_prefill("prefill", *points[23][:2], 2 * points[23][2], worker_id="new")
+    assert calibration.calibrated_model().prefill_speed["new"] > 1.2
+    for new, cached, seconds in points[24:60]:  # its neighbour went idle: it runs like the rest
+        calibration.observe_prefill("prefill", new, cached, seconds, worker_id="new")
+    assert calibration.calibrated_model().prefill_speed["new"] == pytest.approx(
+        calibration.calibrated_model().prefill_speed["steady"], rel=0.1)
+
+
+def test_prefills_without_a_worker_count_for_the_class_only():
+    calibration = Calibration()
+    for new, cached, seconds in noisy_prefills(20):
+        calibration.observe_prefill("prefill", new, cached, seconds)
+    model = calibration.calibrated_model()
+    assert model.prefill_speed == {} and "prefill" in model.prefill_by_class
+
+
+def test_a_slower_worker_is_priced_slower_for_its_queue_too():
+    queued = worker(num_waiting=2, num_queued_prefill_tokens=2000)
+    slow = CostModel(prefill_speed={queued.worker_id: 2.0})
+    interleave = MODEL.interleave_seconds_per_active * 2  # the batch's share, whatever the speed
+    assert cost.queue_wait_seconds(slow, queued) - interleave == pytest.approx(
+        2 * (cost.queue_wait_seconds(MODEL, queued) - interleave))

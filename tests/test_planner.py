@@ -224,3 +224,16 @@ def test_equal_cost_placements_go_to_the_emptier_cache(seed, prefill, decode, ex
 def test_cache_fill_is_the_indexed_share_of_the_cache():
     assert worker("p0", resident_blocks=250).cache_fill == 0.25
     assert worker("p0", num_total_blocks=0).cache_fill == 0.0
+
+
+@pytest.mark.parametrize("speeds, expected", [
+    ({}, "p1"),  # equal speeds: the emptier cache takes the new prefix
+    ({"p1": 1.3}, "p0"),  # p1 measured 30% slower than its class: the fuller but faster p0
+    ({"p0": 0.8}, "p0"),
+])
+def test_a_worker_measured_slower_loses_an_otherwise_equal_placement(speeds, expected):
+    model = CostModel(prefill_speed=speeds)
+    prefill = [worker("p0", resident_blocks=900), worker("p1", resident_blocks=100)]
+    decision = decide(prefill, [BUSY_DECODE], model)
+    assert decision.chosen.prefill_worker == expected, decision.reason
+

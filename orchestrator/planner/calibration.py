@@ -8,6 +8,7 @@ calls ``observe``; planners only ever see the frozen ``CostModel`` that
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, replace
 
 import numpy as np
@@ -18,6 +19,10 @@ from orchestrator.planner.cost_model import (DEFAULT_LINK, DEFAULT_PREFILL, Cost
 DEFAULT_WINDOW = 256  # recent prefills per class: enough to average noise, short enough to follow drift
 DEFAULT_MIN_POINTS = 8  # three coefficients; a margin over three so one outlier cannot set them
 DEFAULT_LINK_SMOOTHING = 0.2  # weight of the newest transfer; ~5 transfers of memory
+# A worker's speed is the median of its recent prefills' measured over estimated times:
+# few points make a median, and recent ones follow a neighbour that got busy or idle.
+WORKER_SPEED_WINDOW = 32
+WORKER_SPEED_MIN_POINTS = 4
 # Below this spread of transfer sizes (relative) the sizes cannot separate latency from bandwidth.
 MIN_RELATIVE_SIZE_SPREAD = 0.05
 
@@ -58,12 +63,31 @@ class PrefillCalibrator:
         self.window = window
         self.min_points = min_points
         self._observations: dict[str, deque[tuple[int, int, float]]] = {}
+        self._by_worker: dict[str, deque[tuple[str, int, int, float]]] = {}
 
-    def observe(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+    def observe(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float,
+                worker_id: str = "") -> None:
+        """One prefill's time; with ``worker_id`` it also counts towards that worker's speed."""
         if new_tokens <= 0 or seconds <= 0:
             return  # nothing was computed, or the clock was wrong: neither says anything about cost
         history = self._observations.setdefault(worker_class, deque(maxlen=self.window))
         history.append((new_tokens, cached_tokens, seconds))
+        if worker_id:
+            own = self._by_worker.setdefault(worker_id, deque(maxlen=WORKER_SPEED_WINDOW))
+            own.append((worker_class, new_tokens, cached_tokens, seconds))
+
+    def speeds(self, coefficients: Callable[[str], PrefillCoefficients]) -> dict[str, float]:
+        """Each worker with enough recent prefills: the median of its measured over its
+        class's estimated seconds (``coefficients(class)``, the model's own). Workers of one
+        class share the fit, so the one on slower hardware or a busier core shows above 1
+        and the others below."""
+        speeds = {}
+        for worker_id, points in sorted(self._by_worker.items()):
+            ratios = [seconds / predicted for worker_class, new, cached, seconds in points
+                      if (predicted := prefill_seconds_with(coefficients(worker_class), new, cached)) > 0]
+            if len(ratios) >= WORKER_SPEED_MIN_POINTS:
+                speeds[worker_id] = float(np.median(ratios))
+        return speeds
 
     def coefficients(self, worker_class: str) -> PrefillCoefficients:
         """The fit for ``worker_class``; with too few points for one, the defaults scaled to
@@ -191,11 +215,13 @@ class LinkCalibrator:
 
 
 def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator) -> CostModel:
-    """A new frozen model: ``base`` with every fitted class and observed link replaced, and
-    the pooled fit (when there is one) for classes without their own."""
-    return replace(base, prefill=prefill.pooled() or base.prefill,
-                   prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
-                   links={**base.links, **links.estimates()})
+    """A new frozen model: ``base`` with every fitted class and observed link replaced, the
+    pooled fit (when there is one) for classes without their own, and each worker's speed
+    against the coefficients of that model."""
+    model = replace(base, prefill=prefill.pooled() or base.prefill,
+                    prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
+                    links={**base.links, **links.estimates()})
+    return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for)})
 
 
 class Calibration:
@@ -215,8 +241,9 @@ class Calibration:
         self._fitted_at: float | None = None
         self._dirty = False
 
-    def observe_prefill(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        self.prefill.observe(worker_class, new_tokens, cached_tokens, seconds)
+    def observe_prefill(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float,
+                        worker_id: str = "") -> None:
+        self.prefill.observe(worker_class, new_tokens, cached_tokens, seconds, worker_id)
         self._dirty = True
 
     def observe_link(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:

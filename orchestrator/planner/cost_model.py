@@ -57,10 +57,14 @@ class CostModel:
     """Immutable; build a new one (``dataclasses.replace``) to change anything.
 
     ``prefill_by_class`` maps a worker class (its role unless the caller says otherwise)
-    to fitted coefficients; a class without a fit uses ``prefill``."""
+    to fitted coefficients; a class without a fit uses ``prefill``. ``prefill_speed``
+    scales one worker's prefills: its measured time over its class's estimate (1.0 for a
+    worker without one), so a worker on slower hardware, or sharing its cores, is priced
+    as it actually runs."""
 
     prefill: PrefillCoefficients = DEFAULT_PREFILL
     prefill_by_class: Mapping[str, PrefillCoefficients] = field(default_factory=dict)
+    prefill_speed: Mapping[str, float] = field(default_factory=dict)
     default_link: LinkEstimate = DEFAULT_LINK
     links: Mapping[tuple[str, str], LinkEstimate] = field(default_factory=dict)
     decode_step_seconds: float = DEFAULT_DECODE_STEP_SECONDS
@@ -71,6 +75,7 @@ class CostModel:
     def __post_init__(self):
         # Freeze the mappings too, so a model shared between decisions cannot drift.
         object.__setattr__(self, "prefill_by_class", MappingProxyType(dict(self.prefill_by_class)))
+        object.__setattr__(self, "prefill_speed", MappingProxyType(dict(self.prefill_speed)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
 
     def coefficients_for(self, worker_class: str) -> PrefillCoefficients:
@@ -88,9 +93,12 @@ def prefill_seconds_with(coefficients: PrefillCoefficients, new_tokens: int, cac
             + coefficients.attention_seconds * attended)
 
 
-def prefill_seconds(model: CostModel, new_tokens: int, cached_tokens: int, worker_class: str = "") -> float:
-    """Time to prefill ``new_tokens`` on top of ``cached_tokens`` already resident."""
-    return prefill_seconds_with(model.coefficients_for(worker_class), new_tokens, cached_tokens)
+def prefill_seconds(model: CostModel, new_tokens: int, cached_tokens: int, worker_class: str = "",
+                    worker_id: str = "") -> float:
+    """Time to prefill ``new_tokens`` on top of ``cached_tokens`` already resident, on
+    ``worker_id`` when given (its measured speed), else on any worker of ``worker_class``."""
+    seconds = prefill_seconds_with(model.coefficients_for(worker_class), new_tokens, cached_tokens)
+    return seconds * model.prefill_speed.get(worker_id, 1.0)
 
 
 def transfer_seconds(num_bytes: int, link: LinkEstimate) -> float:
@@ -109,12 +117,12 @@ def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
     """Wait before a new prefill on ``worker`` starts, from the work already queued there.
 
     Queued prompts are prefilled first (linear term plus one fixed overhead per waiting
-    request; their attention term is unknown without their split, and small); every
-    active request then shares the forward passes with ours."""
+    request; their attention term is unknown without their split, and small), at the
+    worker's own speed; every active request then shares the forward passes with ours."""
     coefficients = model.coefficients_for(worker.role)
     queued = (coefficients.fixed_seconds * worker.num_waiting
               + coefficients.per_token_seconds * worker.num_queued_prefill_tokens)
-    return queued + model.interleave_seconds_per_active * active_requests(worker)
+    return queued * model.prefill_speed.get(worker.worker_id, 1.0) + model.interleave_seconds_per_active * active_requests(worker)
 
 
 def admission_seconds(model: CostModel, decode_worker: WorkerView) -> float:

@@ -85,7 +85,7 @@ def decode_problem_for(request: RequestView, settings: PlannerSettings) -> Calla
 def local_plan(request: RequestView, decode: WorkerView, model: CostModel, settings: PlannerSettings) -> Plan:
     reused = reused_tokens(request, decode)
     queue_wait = cost.queue_wait_seconds(model, decode)
-    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role)
+    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role, decode.worker_id)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0, ttft=queue_wait + prefill,
                         gap=0.0, reused_tokens=reused, transfer_bytes=0,
                         interference=cost.local_interference_seconds(model, decode, prefill))
@@ -98,7 +98,8 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
     """The decode worker pulls only the prompt blocks it does not already hold."""
     reused = reused_tokens(request, prefill_worker)
     queue_wait = cost.queue_wait_seconds(model, prefill_worker)
-    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, prefill_worker.role)
+    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, prefill_worker.role,
+                                   prefill_worker.worker_id)
     missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer, ttft=queue_wait + prefill,
