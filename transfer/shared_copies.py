@@ -61,7 +61,8 @@ def local_host() -> str:
 
 class SharedCopy:
     """One staged lease's copy in a memfd. The lease that owns it closes it when it ends;
-    tensors from ``tensor()`` stay valid after that (they hold the mapping)."""
+    tensors from ``tensor()`` stay valid after that (they hold the mapping, and the mapping
+    a descriptor of its own, which Python's mmap keeps until the last of them is gone)."""
 
     def __init__(self, nbytes: int):
         self.name = NAME_PREFIX + secrets.token_hex(16)
