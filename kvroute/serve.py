@@ -45,6 +45,9 @@ class PoolSettings:
     transfer_link: str = setting(ENDPOINT, "how pulled KV travels: endpoint (back on the pull's own "
                                            "connection) or a transport link per worker pair: auto, "
                                            "zmq-tcp, zmq-ipc, gloo, nccl")
+    shared_copies: bool = setting(True, "decode workers read a prefill worker's staged KV from shared memory "
+                                        "(all workers run on this host); off: every pull as frames, as between "
+                                        "hosts")
 
     def __post_init__(self):
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -57,7 +60,7 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             "--max-model-len", str(orchestrator.max_model_len), "--transfer-link", pool.transfer_link,
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get a core each, not all of them each.
-            "--omp-threads-bind", str(core)]
+            "--omp-threads-bind", str(core), *([] if pool.shared_copies else ["--no-shared-copies"])]
 
 
 def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str) -> list[LaunchedWorker]:

@@ -363,3 +363,12 @@ def test_the_http_server_keeps_idle_connections_past_the_clients_expiry():
     for bad in (0, -1, float("inf")):
         with pytest.raises(ValueError, match="keep_alive_seconds"):
             OrchestratorSettings(keep_alive_seconds=bad)
+
+
+@pytest.mark.parametrize("flags, shared", [([], True), (["--no-shared-copies"], False)])
+def test_serve_passes_shared_copies_to_its_workers(flags, shared):
+    from kvroute.serve import worker_args
+    pool = config.load(PoolSettings, parser_for(PoolSettings).parse_args(flags), environ={})
+    assert pool.shared_copies is shared
+    args = worker_args(pool, OrchestratorSettings(), "model", core=0)
+    assert ("--no-shared-copies" in args) is not shared

@@ -51,6 +51,8 @@ def stack(tmp_path_factory):
     stack = Stack(default_cache_dir(), folder / "serve.log",
                   ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
                    "--prefill-workers", "1", "--decode-workers", "1", "--allow-policy-override",
+                   # The shaped port stands for a network between hosts: pulls must cross it.
+                   "--no-shared-copies",
                    "--log-dir", str(folder / "workers")])
     try:
         stack.wait_healthy(900)

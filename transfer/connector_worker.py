@@ -31,7 +31,7 @@ from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
 from transfer.pull_records import PullRecords
-from transfer.shared_copies import read_shared_copy, stage_shared
+from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED, read_shared_copy, stage_shared
 from transfer.transports.links import LinkTable
 from transfer.settings import ConnectorSettings
 
@@ -121,7 +121,7 @@ class ConnectorWorker:
         block_ids = block_index_tensor(lease.block_ids)
         layers, shared = None, None
         try:
-            if self.settings.shared_copies:
+            if self.settings.shared_copies and SHARED_COPIES_SUPPORTED:
                 try:
                     layers, shared = stage_shared(self.cache, block_ids)
                 except OSError as error:  # e.g. out of descriptors: a private copy still frees the blocks
@@ -181,7 +181,8 @@ class ConnectorWorker:
     def _shared_reader(self, load: LoadSpec):
         """Reads a producer's shared copy into this load's blocks, if this cache can take it."""
         cache = self.cache
-        if not (self.settings.shared_copies and cache.is_host_memory and cache.layers[0].is_contiguous()):
+        if not (self.settings.shared_copies and SHARED_COPIES_SUPPORTED and cache.is_host_memory
+                and cache.layers[0].is_contiguous()):
             return None
 
         def read(ref) -> int:

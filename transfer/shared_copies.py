@@ -41,6 +41,8 @@ from transfer.kv_layout import PagedKVCache
 from transfer.transports.handshake import host_identity
 
 NAME_PREFIX = "kvroute-lease-"
+# Linux: memfds, and /proc to reach another process's descriptors. Elsewhere every pull is frames.
+SUPPORTED = hasattr(os, "memfd_create") and hasattr(os, "preadv") and os.path.isdir("/proc/self/fd")
 MAX_BUFFERS_PER_READ = 1024  # Linux's IOV_MAX
 
 
@@ -51,7 +53,10 @@ class SharedCopyUnavailable(RuntimeError):
 @functools.cache
 def local_host() -> str:
     """Equal for two processes that can open each other's descriptors through /proc: one
-    running machine (``host_identity``) and one PID namespace."""
+    running machine (``host_identity``) and one PID namespace. Empty where shared copies
+    are not supported: then this process neither offers nor reads them."""
+    if not SUPPORTED:
+        return ""
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
