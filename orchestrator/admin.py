@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import msgspec
 
@@ -13,13 +14,15 @@ from orchestrator.index_sync import IndexSync
 from orchestrator.worker_client import WorkerError
 
 
-def describe_workers(fleet: Fleet, index: PrefixIndex) -> list[dict]:
+def describe_workers(fleet: Fleet, index: PrefixIndex, prefill_speed: Mapping[str, float] | None = None) -> list[dict]:
     """The workers as the orchestrator sees them (operators, tests, dashboards): those in
-    rotation, then those draining, which still finish their requests until they stop."""
+    rotation, then those draining, which still finish their requests until they stop.
+    ``prefill_speed``: the cost model's measured speeds (None for a worker not yet measured)."""
+    prefill_speed = prefill_speed or {}
     return [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
              "rpc_address": w.rpc_address, "transfer_address": w.transfer_address, "draining": w.draining,
              "in_flight": fleet.in_flight(w.worker_id), "index_blocks": index.num_blocks(w.worker_id),
-             "load": msgspec.to_builtins(w.load)}
+             "prefill_speed": prefill_speed.get(w.worker_id), "load": msgspec.to_builtins(w.load)}
             for role in ROLES for w in (*fleet.live(role), *fleet.draining(role))]
 
 

@@ -85,7 +85,8 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
     @router.get("/admin/workers")
     async def workers():
         """Workers in rotation, then draining ones (operators, tests, dashboards)."""
-        return {"workers": describe_workers(service.fleet, service.index)}
+        model = service.calibration.calibrated_model(time.monotonic())
+        return {"workers": describe_workers(service.fleet, service.index, model.prefill_speed)}
 
     @router.post("/admin/reset-cache")
     async def reset_cache(role: str | None = None):

@@ -96,3 +96,22 @@ async def test_requests_waiting_on_a_closed_client_fail_at_once():
         raise AssertionError("the stranded request should have failed")
     except WorkerError as error:
         assert error.code == "worker_down"
+
+
+async def test_admin_view_shows_each_worker_s_measured_prefill_speed():
+    from orchestrator.admin import describe_workers
+
+    index = PrefixIndex()
+    fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=5), f"tcp://127.0.0.1:{free_port()}", "test")
+    await fleet.start()
+    worker = async_context().socket(zmq.DEALER)
+    worker.connect(fleet._bind_address)
+    try:
+        assert (await send(worker, heartbeat("x"))).accepted
+        (unmeasured,) = describe_workers(fleet, index)
+        assert unmeasured["worker_id"] == "prefill-0" and unmeasured["prefill_speed"] is None
+        (measured,) = describe_workers(fleet, index, {"prefill-0": 1.3, "gone": 2.0})
+        assert measured["prefill_speed"] == 1.3
+    finally:
+        worker.close(linger=0)
+        await fleet.stop()
