@@ -67,6 +67,8 @@ class ConnectorWorker:
         self._load_ended = threading.Event()
         self._active_loads = 0
         self._idle_step = False
+        self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
+        self._reads_shared_copies = False  # known once the caches are registered
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # The block server and pull threads share the GIL with vLLM's model-runner thread,
@@ -75,6 +77,8 @@ class ConnectorWorker:
         # layer) can wait 5 ms: ~100 ms per pull however small. 0.2 ms bounds that to ~10 ms.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
+        self._reads_shared_copies = (self._shares_copies and self.cache.is_host_memory
+                                     and self.cache.layers[0].is_contiguous())
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -121,7 +125,7 @@ class ConnectorWorker:
         block_ids = block_index_tensor(lease.block_ids)
         layers, shared = None, None
         try:
-            if self.settings.shared_copies and SHARED_COPIES_SUPPORTED:
+            if self._shares_copies:
                 try:
                     layers, shared = stage_shared(self.cache, block_ids)
                 except OSError as error:  # e.g. out of descriptors: a private copy still frees the blocks
@@ -180,10 +184,9 @@ class ConnectorWorker:
 
     def _shared_reader(self, load: LoadSpec):
         """Reads a producer's shared copy into this load's blocks, if this cache can take it."""
-        cache = self.cache
-        if not (self.settings.shared_copies and SHARED_COPIES_SUPPORTED and cache.is_host_memory
-                and cache.layers[0].is_contiguous()):
+        if not self._reads_shared_copies:
             return None
+        cache = self.cache
 
         def read(ref) -> int:
             nbytes = read_shared_copy(ref, cache, load.local_block_ids, load.remote_indices)

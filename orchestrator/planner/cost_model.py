@@ -81,6 +81,9 @@ class CostModel:
     def coefficients_for(self, worker_class: str) -> PrefillCoefficients:
         return self.prefill_by_class.get(worker_class, self.prefill)
 
+    def speed_of(self, worker_id: str) -> float:
+        return self.prefill_speed.get(worker_id, 1.0)
+
     def link(self, source: str, destination: str) -> LinkEstimate:
         return self.links.get((source, destination), self.default_link)
 
@@ -98,7 +101,7 @@ def prefill_seconds(model: CostModel, new_tokens: int, cached_tokens: int, worke
     """Time to prefill ``new_tokens`` on top of ``cached_tokens`` already resident, on
     ``worker_id`` when given (its measured speed), else on any worker of ``worker_class``."""
     seconds = prefill_seconds_with(model.coefficients_for(worker_class), new_tokens, cached_tokens)
-    return seconds * model.prefill_speed.get(worker_id, 1.0)
+    return seconds * model.speed_of(worker_id)
 
 
 def transfer_seconds(num_bytes: int, link: LinkEstimate) -> float:
@@ -122,7 +125,7 @@ def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
     coefficients = model.coefficients_for(worker.role)
     queued = (coefficients.fixed_seconds * worker.num_waiting
               + coefficients.per_token_seconds * worker.num_queued_prefill_tokens)
-    return queued * model.prefill_speed.get(worker.worker_id, 1.0) + model.interleave_seconds_per_active * active_requests(worker)
+    return queued * model.speed_of(worker.worker_id) + model.interleave_seconds_per_active * active_requests(worker)
 
 
 def admission_seconds(model: CostModel, decode_worker: WorkerView) -> float:
