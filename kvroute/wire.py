@@ -58,11 +58,14 @@ class PullSource(msgspec.Struct, forbid_unknown_fields=False):
 class WorkerLoad(msgspec.Struct, forbid_unknown_fields=False):
     num_running: int = 0
     num_waiting: int = 0
-    num_queued_prefill_tokens: int = 0
+    num_queued_prefill_tokens: int = 0  # prompt tokens still to compute, of requests with no output yet
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     block_size: int = 0
     bytes_per_block: int = 0
+    # The same tokens per request id, so an orchestrator can tell its own requests from
+    # others' and drop those it saw prefilled since (None: a worker that does not say).
+    queued_prefill: dict[str, int] | None = None
 
 
 class KVLayoutSpec(msgspec.Struct, forbid_unknown_fields=False, frozen=True):

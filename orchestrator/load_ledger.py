@@ -6,7 +6,14 @@ one sent a moment ago does not show yet. Both mislead the queue-wait estimate, a
 warm worker looks busy right after serving the request that warmed it.
 
 The ledger remembers, per worker, the prefills this orchestrator has sent and not yet
-seen finish, and those it saw finish since the worker's last heartbeat::
+seen finish, and those it saw finish since the worker's last heartbeat. A worker that
+lists its queued prompts by request id (what each still has to compute, which shrinks
+as its prefill is scheduled and counts what its cache already holds) is read exactly::
+
+    queued = the heartbeat's requests, less those seen finished since it
+             + own pending requests the heartbeat does not list yet
+
+and one that reports only a total, as well as it can::
 
     queued = max(own pending, heartbeat's queued - own finished since that heartbeat)
 
@@ -25,6 +32,7 @@ records dispatches and finished prefills, the fleet records heartbeats).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 class QueuedWork:
     num_waiting: int
     num_queued_prefill_tokens: int
+    per_request: Mapping[str, int] | None = None  # request id -> tokens, where the worker lists them
 
 
 @dataclass
@@ -43,8 +52,7 @@ class _Reservation:
 @dataclass
 class _WorkerLedger:
     pending: dict[str, int] = field(default_factory=dict)  # request id -> prefill tokens
-    finished_requests: int = 0  # since the last heartbeat
-    finished_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # since the last heartbeat: request id -> tokens
     reservations: dict[str, _Reservation] = field(default_factory=dict)  # request id -> decode blocks
     released_blocks: int = 0  # since the last heartbeat, of reservations it had counted
 
@@ -62,8 +70,7 @@ class LoadLedger:
         ledger = self._workers.get(worker_id)
         if ledger is None or request_id not in ledger.pending:
             return
-        ledger.finished_requests += 1
-        ledger.finished_tokens += ledger.pending.pop(request_id)
+        ledger.finished[request_id] = ledger.pending.pop(request_id)
 
     def reserved(self, worker_id: str, request_id: str, blocks: int) -> None:
         """``worker_id`` will hold up to ``blocks`` KV blocks for ``request_id`` while it decodes."""
@@ -80,7 +87,8 @@ class LoadLedger:
         """A fresh report from the worker already accounts for everything before it."""
         ledger = self._workers.get(worker_id)
         if ledger is not None:
-            ledger.finished_requests = ledger.finished_tokens = ledger.released_blocks = 0
+            ledger.finished.clear()
+            ledger.released_blocks = 0
             for reservation in ledger.reservations.values():
                 reservation.in_heartbeat = True
 
@@ -91,10 +99,15 @@ class LoadLedger:
         ledger = self._workers.get(worker_id)
         if ledger is None:
             return reported
-        return QueuedWork(
-            num_waiting=max(len(ledger.pending), reported.num_waiting - ledger.finished_requests),
-            num_queued_prefill_tokens=max(sum(ledger.pending.values()),
-                                          reported.num_queued_prefill_tokens - ledger.finished_tokens))
+        num_waiting = max(len(ledger.pending), reported.num_waiting - len(ledger.finished))
+        listed = reported.per_request
+        if listed is None:
+            tokens = max(sum(ledger.pending.values()),
+                         reported.num_queued_prefill_tokens - sum(ledger.finished.values()))
+        else:
+            tokens = (sum(left for request_id, left in listed.items() if request_id not in ledger.finished)
+                      + sum(left for request_id, left in ledger.pending.items() if request_id not in listed))
+        return QueuedWork(num_waiting=num_waiting, num_queued_prefill_tokens=tokens, per_request=listed)
 
     def free_blocks(self, worker_id: str, reported_free: int, total: int) -> int:
         ledger = self._workers.get(worker_id)

@@ -86,15 +86,30 @@ class Engine:
         self.pool = BlockPool(config.num_blocks)
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
-        self.num_queued_prompt_tokens = 0  # prompts of requests submitted with no output here yet
         self.num_preemptions = 0
         self._held: list[list[BlockHash | None]] = []  # block tables of sent prefills (hold_sent_blocks)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, of requests with no output yet, as a worker's
+        heartbeat reports them (``kvroute.worker.queued_prefill``): what its prefill has
+        computed and what the cache already holds are done; a pulled prompt is no prefill
+        work. The worker learns of a chunk's blocks from KV events published after the
+        step that computes it, so a chunk in progress still counts here."""
+        size, total = self.config.block_size, 0
+        for request in self.running:
+            if request.awaiting_output and not request.remote:
+                total += request.num_prompt - request.num_computed
+        for request in self.waiting:
+            if request.awaiting_output and not request.remote:
+                limit = min(len(request.block_keys), (request.num_tokens - 1) // size)
+                cached = self.pool.cached_prefix(request.block_keys, limit) * size
+                total += request.num_prompt - max(cached, request.num_computed)
+        return total
 
     # ------------------------------------------------------------ between steps
 
     def submit(self, request: EngineRequest) -> None:
         self.waiting.append(request)
-        self.num_queued_prompt_tokens += request.num_prompt
 
     def pull_done(self, request: EngineRequest) -> None:
         """The remote prompt KV landed: its full blocks join the local prefix cache."""
@@ -297,9 +312,7 @@ class Engine:
                                       token_ids=request.token_ids[start * size:end * size], block_size=size))
 
     def _first_output(self, request: EngineRequest) -> None:
-        if request.awaiting_output:
-            request.awaiting_output = False
-            self.num_queued_prompt_tokens -= request.num_prompt
+        request.awaiting_output = False
 
     def _finish(self, request: EngineRequest) -> None:
         self.running.remove(request)

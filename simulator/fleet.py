@@ -5,8 +5,8 @@ from what a worker's heartbeat reports (``kvroute.worker.process.WorkerProcess.l
 
 * ``num_running`` / ``num_waiting``: the engine's running and waiting requests (those
   waiting for remote KV are waiting, as in vLLM's stats);
-* ``num_queued_prefill_tokens``: prompt tokens of requests submitted that have no output
-  on this worker yet;
+* ``num_queued_prefill_tokens``: prompt tokens still to compute, of requests submitted
+  that have no output on this worker yet (``Engine.queued_prefill_tokens``);
 * ``num_free_blocks``: blocks no request references (evictable cached ones are free);
 * ``in_flight``: requests placed on this worker that have not finished, counted on every
   worker of the plan until the whole request ends, as ``Fleet.track`` does;
@@ -107,7 +107,7 @@ class SimWorker:
                 free = self._reported[1] if self.role == "prefill" else free  # the ledger's, for decode
             self._view = WorkerView(
                 worker_id=self.worker_id, role=self.role, num_running=running,
-                num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.num_queued_prompt_tokens,
+                num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.queued_prefill_tokens(),
                 num_free_blocks=free, num_total_blocks=pool.num_total,
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
                 in_flight=self.in_flight, resident_blocks=pool.num_cached)

@@ -38,7 +38,7 @@ class EngineRequest:
     blocks: list[BlockHash | None] = field(default_factory=list)  # block table: key once cached
     num_registered: int = 0  # leading prompt blocks already cached or tried
     cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's num_cached_tokens)
-    awaiting_output: bool = True  # counted in the engine's queued prompt tokens
+    awaiting_output: bool = True  # no output yet: counted in the engine's queued prefill tokens
     hold_blocks: bool = False  # a DISAGG prefill: the connector holds its blocks for the pull
 
     @property

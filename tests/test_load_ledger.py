@@ -111,3 +111,37 @@ def test_free_blocks_stay_within_the_cache():
     ledger.released("d1", "r1")
     assert ledger.free_blocks("d1", reported_free=80, total=91) == 91
     assert ledger.free_blocks("unknown", reported_free=5, total=91) == 5
+
+
+# ---------------------------------------------------------------- workers that list their queue
+
+
+def listed(**tokens: int) -> QueuedWork:
+    return QueuedWork(num_waiting=len(tokens), num_queued_prefill_tokens=sum(tokens.values()), per_request=tokens)
+
+
+def test_a_listed_queue_is_read_as_the_worker_reports_it(ledger):
+    # r1 is half prefilled: the worker lists what is left of it, which is less than the
+    # prompt this orchestrator sent; the listing wins over the ledger's own count.
+    ledger.dispatched("w1", "r1", 4000)
+    assert ledger.queued("w1", listed(r1=1500)).num_queued_prefill_tokens == 1500
+
+
+def test_own_requests_the_listing_lacks_yet_count_in_full(ledger):
+    ledger.dispatched("w1", "r1", 4000)
+    ledger.dispatched("w1", "r2", 300)  # sent after the worker made its heartbeat
+    assert ledger.queued("w1", listed(r1=1500)).num_queued_prefill_tokens == 1800
+
+
+def test_listed_requests_seen_prefilled_since_drop_out(ledger):
+    ledger.dispatched("w1", "r1", 4000)
+    ledger.prefilled("w1", "r1")
+    work = ledger.queued("w1", listed(r1=1500, other=700))  # "other": another replica's request
+    assert work.num_queued_prefill_tokens == 700
+    ledger.heartbeat("w1")
+    assert ledger.queued("w1", listed(other=650)).num_queued_prefill_tokens == 650
+
+
+def test_a_listing_is_kept_for_the_planner(ledger):
+    ledger.dispatched("w1", "r1", 10)
+    assert ledger.queued("w1", listed(r1=4)).per_request == {"r1": 4}

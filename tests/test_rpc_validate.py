@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvroute import wire
-from kvroute.worker.rpc_server import error_code, tokens_to_compute, validate
+from kvroute.worker.queued_prefill import tokens_to_compute
+from kvroute.worker.rpc_server import error_code, validate
 
 
 def request(prompt=(1, 2, 3), **sampling) -> wire.GenerateRequest:

@@ -304,3 +304,28 @@ def test_workload_prompts_share_their_repository_prefix():
 def test_a_request_larger_than_an_engine_is_refused_up_front():
     with pytest.raises(ValueError, match="blocks over its life"):
         simulate([TokenRequest(0, 0.0, 10, tokens(0, 600 * BLOCK))], settings=SMALL)
+
+
+def test_queued_prefill_tokens_are_what_is_left_to_compute():
+    """As a worker's heartbeat lists them: a prefill in progress counts what its finished
+    steps have not computed, a warm request behind it only what its cache lacks."""
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8))
+    prompt = tokens(1, 600)
+    engine.submit(engine_request("leader", prompt))
+    assert engine.queued_prefill_tokens() == 600
+    engine.complete(engine.schedule(), 0.0, 1.0)  # the first 256 tokens
+    engine.submit(engine_request("follower", prompt + tokens(2, 40)))
+    # The leader has 344 left; its first 256 tokens (16 blocks) are cached for the follower.
+    assert engine.queued_prefill_tokens() == 344 + (640 - 256)
+    step = engine.schedule()  # the leader's next 256: in progress, still counted
+    assert engine.queued_prefill_tokens() == 344 + (640 - 512)
+    engine.complete(step, 1.0, 1.0)
+    assert engine.queued_prefill_tokens() == 88 + (640 - 512)
+    run_engine(engine)
+    assert engine.queued_prefill_tokens() == 0
+
+
+def test_a_pulled_prompt_is_not_queued_prefill():
+    engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
+    engine.submit(engine_request("pulled", tokens(1, 100), remote=True, num_output=1))
+    assert engine.queued_prefill_tokens() == 0

@@ -99,9 +99,14 @@ HEARTBEAT_V3_HEX = (  # before ``prefill_probe`` was appended
     "8b" + HEARTBEAT_V2_HEX[2:]
     + "b07472616e736665725f61646472657373" "a0"  # transfer_address: ""
 )
-HEARTBEAT_HEX = (
+HEARTBEAT_V4_HEX = (  # before the load's ``queued_prefill`` was appended
     "8c" + HEARTBEAT_V3_HEX[2:]
     + "ad70726566696c6c5f70726f6265" "c0"  # prefill_probe: nil
+)
+LOAD_V1_LAST = "af62797465735f7065725f626c6f636b" "00"  # bytes_per_block: the load's last field before
+HEARTBEAT_HEX = (
+    HEARTBEAT_V4_HEX.replace("a46c6f6164" "87", "a46c6f6164" "88", 1)  # load: map of 8
+    .replace(LOAD_V1_LAST, LOAD_V1_LAST + "ae7175657565645f70726566696c6c" "c0", 1)  # queued_prefill: nil
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -227,8 +232,9 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
-                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
-                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "PullBlocks-v1"])
+                                              (HEARTBEAT_V4_HEX, HEARTBEAT), (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
+                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
+                              "PullBlocks-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
@@ -250,6 +256,8 @@ ROUND_TRIP = [
                      transfer=wire.TransferCounters(bytes_sent=1 << 40, pulls_failed=2),
                      prompt_tokens=wire.PromptTokenCounters(computed=5, external_kv_transfer=11)),
     HEARTBEAT,
+    wire.Heartbeat(worker_id="w", role="decode", incarnation="i", rpc_address="tcp://h:1",
+                   load=wire.WorkerLoad(num_queued_prefill_tokens=900, queued_prefill={"a": 880, "b": 20}), sent_at=2.0),
     PULL_BLOCKS,
     wire.PullHeader(ok=False, error="no"),
     wire.PullHeader(ok=True, num_blocks=3, num_layers=28),

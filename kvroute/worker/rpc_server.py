@@ -19,6 +19,7 @@ import zmq.asyncio
 from kvroute import wire
 from kvroute.netutil import async_context
 from kvroute.worker.generation import engine_prompt, sampling_params, to_chunk
+from kvroute.worker.queued_prefill import QueuedPrompt
 
 logger = logging.getLogger("kvroute.worker.rpc")
 
@@ -50,7 +51,7 @@ class RpcServer:
         self._socket.bind(bind_address)
         self._tasks: dict[str, asyncio.Task] = {}
         self._queries: set[asyncio.Task] = set()  # stats, snapshot and reset answers in progress
-        self.prompt_tokens_waiting: dict[str, int] = {}  # accepted, no output yet
+        self.prompts_waiting: dict[str, QueuedPrompt] = {}  # accepted, no output yet
         self.draining = False
         # Pull sources handed to callers, each naming a lease the connector grants: a
         # draining producer compares this with the grants to know none is still on its way.
@@ -156,18 +157,18 @@ class RpcServer:
     def _forget(self, request_id: str, task: asyncio.Task) -> None:
         if self._tasks.get(request_id) is task:
             del self._tasks[request_id]
-        self.prompt_tokens_waiting.pop(request_id, None)
+        self.prompts_waiting.pop(request_id, None)
         if not self._tasks:
             self._idle.set()
 
     async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         request_id = request.request_id
-        self.prompt_tokens_waiting[request_id] = tokens_to_compute(request)
+        self.prompts_waiting[request_id] = QueuedPrompt(request)
         try:
             stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
             first = True
             async for output in stream:
-                self.prompt_tokens_waiting.pop(request_id, None)
+                self.prompts_waiting.pop(request_id, None)
                 chunk = to_chunk(request_id, output)
                 if chunk.pull_source is not None:
                     self.num_pull_sources_sent += 1
@@ -213,14 +214,6 @@ def validate(request: wire.GenerateRequest) -> str | None:
     if request.sampling.max_tokens < 1:
         return "max_tokens must be at least 1"
     return None
-
-
-def tokens_to_compute(request: wire.GenerateRequest) -> int:
-    """Prompt tokens this worker's engine will compute for ``request``: the tokens a KV pull
-    brings are not prefill work. Counting them made a decode worker look seconds busy in
-    every heartbeat sent while a handed-off request waited for its blocks."""
-    pulled = request.pull_from.num_tokens if request.pull_from is not None else 0
-    return max(0, len(request.prompt_token_ids) - pulled)
 
 
 def error_code(error: Exception) -> str:
