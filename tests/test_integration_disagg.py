@@ -13,8 +13,10 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from kvroute import wire
+from kvroute import kv_events, wire
 from kvroute.model_prep import resolve_model
+from kvroute.worker.queued_prefill import QueuedPrompt
+from kvroute.worker.resident import ResidentBlocks
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
 from tests.cluster import (Clients, process_tree_cpu_cores, run_disaggregated, run_single, start_worker,
@@ -276,3 +278,31 @@ def compare_with_reference(output: list[int], reference: list[wire.GenerateChunk
 
 async def _collect_chunks(client: WorkerClient, request: wire.GenerateRequest) -> list[wire.GenerateChunk]:
     return [chunk async for chunk in client.generate(request)]
+
+
+async def test_queued_prefill_finds_the_prefix_the_engine_stored(clients, tokenizer):
+    """A worker's queue report (``kvroute.worker.queued_prefill``) matches prompts against
+    the blocks its own engine reported stored: real vLLM events, with their parent chain
+    and the cache salt on the first block."""
+    prompt = chat_prompt(tokenizer, question(7))
+    await run_single(clients.prefill, "queue-probe", prompt, wire.SamplingSpec(max_tokens=1), "queue-salt")
+    block_size = (await clients.prefill.stats()).load.block_size
+    full = len(prompt) // block_size * block_size
+    resident = ResidentBlocks()
+    for _ in range(50):  # the worker applies the engine's events as they arrive
+        snapshot = await clients.prefill.snapshot()
+        resident = ResidentBlocks()
+        resident.apply(0, kv_events.KVEventBatch(ts=0.0, events=[
+            kv_events.BlockStored(block_hashes=[block.engine_hash], parent_block_hash=block.parent,
+                                  token_ids=block.token_ids, block_size=snapshot.block_size,
+                                  extra_keys=[block.extra_keys] if block.extra_keys else None)
+            for block in snapshot.blocks]))
+        if resident.cached_prefix_tokens(prompt, "queue-salt") == full:
+            break
+        await asyncio.sleep(0.2)
+    assert full >= 6 * block_size
+    assert resident.cached_prefix_tokens(prompt, "queue-salt") == full
+    assert resident.cached_prefix_tokens(prompt, "another-tenant") == 0
+    follower = QueuedPrompt(wire.GenerateRequest(request_id="f", prompt_token_ids=prompt + [13] * 50,
+                                                 cache_salt="queue-salt"))
+    assert follower.tokens_left(resident) == len(prompt) + 50 - full
