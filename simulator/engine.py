@@ -101,8 +101,7 @@ class Engine:
                 total += request.num_prompt - request.num_computed
         for request in self.waiting:
             if request.awaiting_output and not request.remote:
-                limit = min(len(request.block_keys), (request.num_tokens - 1) // size)
-                cached = self.pool.cached_prefix(request.block_keys, limit) * size
+                cached = len(self._hit(request)) * size
                 total += request.num_prompt - max(cached, request.num_computed)
         return total
 

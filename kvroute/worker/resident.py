@@ -90,15 +90,13 @@ class ResidentBlocks:
         depth, parent = 0, None
         if progress is not None and progress.depth and progress.engine_hash in self.blocks:
             depth, parent = progress.depth, progress.engine_hash
-        for depth in range(depth, len(token_ids) // size):
+        full_blocks = len(token_ids) // size
+        while depth < full_blocks:
             tokens = tuple(token_ids[depth * size:(depth + 1) * size])
-            key = (None, tokens, cache_salt) if parent is None else (parent, tokens)
-            found = self._by_chain.get(key)
+            found = self._by_chain.get((None, tokens, cache_salt) if parent is None else (parent, tokens))
             if found is None:
                 break
-            parent = found
-        else:
-            depth = len(token_ids) // size
+            depth, parent = depth + 1, found
         if progress is not None:
             progress.depth, progress.engine_hash = depth, parent
         return depth * size
