@@ -12,7 +12,7 @@ from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.header import TransferHeader
 from transfer.transports.links import LinkTable
 from transfer.transports.selection import choose_backend
-from transfer.transports.zmq_backend import message_groups
+from transfer.transports.packing import message_groups
 
 LAYOUT = KVLayoutSpec(dtype="bfloat16", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
                       block_size=128, bytes_per_block=2 * 3 * 128 * 64 * 2 * 30)

@@ -9,9 +9,10 @@ rendezvous store, so a worker can hold links to many peers, made as they are nee
     TCPStore(host, port 0, master) ── address ──▶ TCPStore(host, port)
     ProcessGroup(PrefixStore(name, store), 0, 2)  ProcessGroup(PrefixStore(name, store), 1, 2)
 
-The address travels over the caller's control channel (see ``links``). The receiver
-posts the receive of frame i+1 before storing frame i, so the wire and the scatter
-overlap. After a failure the group is aborted and its buffers dropped: a receive that
+The address travels over the caller's control channel (see ``links``). Small
+consecutive frames travel as one message (``transfer.transports.packing``), since each
+send/receive pair has a fixed cost. The receiver posts the receive of message i+1
+before storing message i's frames, so the wire and the scatter overlap. After a failure the group is aborted and its buffers dropped: a receive that
 timed out might still complete later, into memory that must then be nobody's.
 """
 
@@ -27,6 +28,7 @@ from torch.distributed import PrefixStore, TCPStore
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
 from transfer.transports.errors import PeerLost, TransportError, TransportTimeout, seconds_left
 from transfer.transports.header import HEADER_WORDS
+from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
@@ -107,6 +109,9 @@ class DistributedSender(_GroupEnd, Sender):
         header = torch.frombuffer(bytearray(packed), dtype=torch.int64).to(self.device)
         return _WorkTracker(self._group.send([header], RECEIVER_RANK, HEADER_TAG))
 
+    def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
+        return message_groups(frame_bytes)
+
     def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> _WorkTracker:
         return _WorkTracker(self._group.send([buffer], RECEIVER_RANK, FRAME_TAG))
 
@@ -126,21 +131,23 @@ class DistributedReceiver(_GroupEnd, Receiver):
         return header.cpu().numpy().tobytes()
 
     def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
-        if not frame_bytes:
+        groups = message_groups(frame_bytes)
+        if not groups:
             return
-        ring = self._ring_for(max(frame_bytes))
-        pending = self._post(ring[0], frame_bytes, 0)
-        for index in range(len(frame_bytes)):
+        sizes = [group_bytes(frame_bytes, group) for group in groups]
+        ring = self._ring_for(max(sizes))
+        pending = self._post(ring[0], sizes[0])
+        for number, group in enumerate(groups):
             work, data = pending
             self._wait(work, deadline)
-            if index + 1 < len(frame_bytes):  # the next frame arrives while this one is stored
-                pending = self._post(ring[(index + 1) % 2], frame_bytes, index + 1)
-            store(index, data)
+            if number + 1 < len(groups):  # the next message arrives while this one is stored
+                pending = self._post(ring[(number + 1) % 2], sizes[number + 1])
+            store_group(frame_bytes, group, data, store)
 
-    def _post(self, buffer: torch.Tensor, frame_bytes: tuple[int, ...], index: int):
+    def _post(self, buffer: torch.Tensor, nbytes: int):
         # Exactly the announced size: Gloo aborts the process on a longer message, and the
         # header check made sure the sender announced these sizes.
-        data = buffer[:frame_bytes[index]]
+        data = buffer[:nbytes]
         return self._group.recv([data], SENDER_RANK, FRAME_TAG), data
 
     def _ring_for(self, nbytes: int) -> list[torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Frames go out zero-copy from the link's send buffers (``transfer.send_buffers``: a
 buffer is handed out again only once libzmq let go of it), small consecutive ones
-packed into one message, and are read zero-copy on the receiving side. ZeroMQ never reports a dead peer, so every wait polls against the
+packed into one message (``transfer.transports.packing``), and are read zero-copy on
+the receiving side. ZeroMQ never reports a dead peer, so every wait polls against the
 caller's deadline. A sender's completed send means the bytes left this process, not
 that they arrived; only the receiver can confirm that.
 """
@@ -21,29 +22,11 @@ from transfer.block_client import frame_as_tensor
 from transfer.send_buffers import send_frame
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
 from transfer.transports.errors import FrameMismatch, TransportError, TransportTimeout, seconds_left
+from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
 
 
-# Consecutive frames smaller than this share one message. Each tracked zero-copy send
-# costs ~0.1 ms in pyzmq (an Event per message, set from its gc thread under the GIL):
-# a third of an 8 MiB transfer in 32 frames, sent one per message.
-MESSAGE_BYTES = 1 << 20
-
 T = TypeVar("T")
-
-
-def message_groups(frame_bytes: tuple[int, ...]) -> list[range]:
-    """Frames packed in order into messages of up to MESSAGE_BYTES (a larger frame goes
-    alone); both ends compute this from the sizes the header agreed on."""
-    groups, start, size = [], 0, 0
-    for index, nbytes in enumerate(frame_bytes):
-        if index > start and size + nbytes > MESSAGE_BYTES:
-            groups.append(range(start, index))
-            start, size = index, 0
-        size += nbytes
-    if start < len(frame_bytes):
-        groups.append(range(start, len(frame_bytes)))
-    return groups
 
 
 def _wait_for(socket: zmq.Socket, event: int, deadline: float, what: str) -> None:
@@ -112,17 +95,14 @@ class ZmqReceiver(Receiver):
 
     def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
         for group in message_groups(frame_bytes):
-            nbytes = sum(frame_bytes[index] for index in group)
+            nbytes = group_bytes(frame_bytes, group)
             parts = self._receive_message(deadline)
             if len(parts) != 1 or len(parts[0]) != nbytes:
                 raise FrameMismatch(f"frames {group.start}-{group.stop - 1}: got {sum(len(p) for p in parts)} "
                                     f"bytes in {len(parts)} parts, expected {nbytes} in one")
             # torch.frombuffer refuses an empty buffer; a message of empty frames is legal.
             data = frame_as_tensor(parts[0]) if nbytes else torch.empty(0, dtype=torch.uint8)
-            offset = 0
-            for index in group:
-                store(index, data[offset:offset + frame_bytes[index]])
-                offset += frame_bytes[index]
+            store_group(frame_bytes, group, data, store)
 
     def _translate(self, error: BaseException) -> TransportError | None:
         return TransportError(f"{self.backend}: {error}") if isinstance(error, zmq.ZMQError) else None
