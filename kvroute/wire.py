@@ -192,6 +192,16 @@ class PrefillProbe(msgspec.Struct, forbid_unknown_fields=False):
     seconds: float
 
 
+class CoreBinding(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """The CPU cores an engine's compute threads are bound to (``kvroute.worker.cores``).
+
+    Engines on one ``machine`` (one kernel, so one numbering of cores) whose ``cores``
+    overlap take turns on those cores: each computes slower while the other is busy."""
+
+    machine: str
+    cores: tuple[int, ...]
+
+
 class Heartbeat(_Message, tag="heartbeat"):
     worker_id: str
     role: str
@@ -207,6 +217,8 @@ class Heartbeat(_Message, tag="heartbeat"):
     transfer_address: str = ""
     # Its start-up prefill timing: calibrates the cost model before its first request.
     prefill_probe: PrefillProbe | None = None
+    # The cores its engine computes on; None: not bound to particular cores (or unknown).
+    cores: CoreBinding | None = None
 
 
 class SnapshotRequest(_Message, tag="snapshot"):

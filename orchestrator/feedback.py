@@ -4,7 +4,8 @@ A predicted hit on blocks the engine had reported stored that did not happen mea
 index was stale for that worker, so the worker's entries are reloaded from its snapshot.
 A miss on blocks only claimed for a request still prefilling there is counted, not
 resynced: the index was right, the earlier request had not stored them in time. Prefill timings are taken only from
-requests that found their workers idle, where TTFT is (almost) pure prefill time.
+requests that found their workers idle, and no busy engine on their CPU cores, where TTFT is (almost) pure
+prefill time at the worker's own speed; the planner adds what sharing a core costs.
 Link estimates come from the pulls the decode workers' connectors timed.
 """
 
@@ -45,7 +46,8 @@ class Feedback:
                                            actual.transfer_seconds)
             self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
                                           actual.transfer_seconds)
-        if idle_at_start and actual.ttft is not None and actual.reused_tokens is not None:
+        shared_cores = plan.estimate is not None and plan.estimate.contention > 0
+        if idle_at_start and not shared_cores and actual.ttft is not None and actual.reused_tokens is not None:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens
             self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling)

@@ -30,6 +30,7 @@ class WorkerView:
     draining: bool = False  # told to stop: finishing its requests, taking no new ones
     transfer_address: str = ""
     prefill_probe: wire.PrefillProbe | None = None  # its start-up prefill timing
+    cores: wire.CoreBinding | None = None  # the CPU cores its engine computes on, if bound
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class WorkerRegistry:
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,
                                                    beat.load, now, beat.kv_events_address, beat.draining,
-                                                   beat.transfer_address, beat.prefill_probe)
+                                                   beat.transfer_address, beat.prefill_probe, beat.cores)
         if previous is not None and previous.incarnation == beat.incarnation:
             if beat.draining and not previous.draining:
                 logger.info("worker %s is draining: no new requests go there", beat.worker_id)

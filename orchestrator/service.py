@@ -26,6 +26,7 @@ import msgspec
 
 from kvroute import identity, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
+from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
 from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_local
 from orchestrator.errors import APIError
@@ -142,6 +143,7 @@ class CompletionService:
         self.index.expire_claims(time.monotonic())
         matches = self.index.match(job.block_hashes(block_size))
         prefill, decode = self._views("prefill", matches, excluded), self._views("decode", matches, excluded)
+        prefill, decode = self._with_core_neighbours(prefill, decode)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
                                 f"worker", code="no_worker", headers={"Retry-After": "5"})
@@ -165,6 +167,14 @@ class CompletionService:
     def _views(self, role: str, matches: dict[str, int], excluded: set[str]) -> list[WorkerView]:
         return [self._view(w, role, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)
                 if w.worker_id not in excluded]
+
+    def _with_core_neighbours(self, prefill: list[WorkerView],
+                              decode: list[WorkerView]) -> tuple[list[WorkerView], list[WorkerView]]:
+        bindings = {w.worker_id: w.cores for role in wire.ROLES for w in self.fleet.live(role) if w.cores}
+        if not bindings:
+            return prefill, decode
+        views = with_core_neighbours(prefill + decode, bindings)
+        return views[:len(prefill)], views[len(prefill):]
 
     def _view(self, worker, role: str, cached_blocks: int) -> WorkerView:
         load = worker.load

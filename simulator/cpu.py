@@ -29,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvroute import wire
+
+SIMULATED_MACHINE = "simulated"
+
 
 @dataclass(frozen=True)
 class CpuSettings:
@@ -90,3 +94,11 @@ class Cores:
             return sorted(self.busy - {worker_id})
         mine = set(self.cores[worker_id])
         return sorted(other for other in self.busy if other != worker_id and mine & set(self.cores[other]))
+
+
+def core_bindings(cores: Cores) -> dict[str, wire.CoreBinding]:
+    """What the simulated workers' heartbeats would report: pinned engines their cores
+    (``kvroute.worker.cores``); engines the OS moves around, or with cores of their own, nothing."""
+    if not cores.settings.shared or not cores.settings.pinned:
+        return {}
+    return {worker_id: wire.CoreBinding(SIMULATED_MACHINE, bound) for worker_id, bound in cores.cores.items()}

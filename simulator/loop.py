@@ -16,6 +16,7 @@ first token, and waiting for capacity re-plans as ``admit`` does. Each engine ha
 pending step event; when something arrives for an engine in the middle of a decode run,
 the run is cut at the next step boundary and its event rescheduled (the old one is
 recognised as stale by the worker's version). Engines that share CPU cores (``cpu``)
+report their cores to the planner when pinned, as workers do, and
 are retimed the same way whenever one of them starts or ends a step: the step in
 progress keeps the work it has done and goes on at the new pace. A request whose index
 is in ``failed_pulls`` has its pull refused, and its decode worker prefills it again,
@@ -39,7 +40,8 @@ from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import Policy
 from orchestrator.planner.views import Decision, PlanKind, RequestView
 from simulator.calibration import SimCalibration
-from simulator.cpu import Cores, CpuSettings
+from orchestrator.core_sharing import with_core_neighbours
+from simulator.cpu import Cores, CpuSettings, core_bindings
 from simulator.sequence import EngineRequest, Produced, RequestState
 from simulator.events import EventQueue
 from simulator.fleet import ActiveStep, SimFleet, SimWorker
@@ -102,6 +104,7 @@ class Simulation:
         self.clock = EventQueue()
         self.links = Links(calibration)
         self.cores = Cores(cpu, list(fleet.workers))
+        self.bindings = core_bindings(self.cores)
         self.failed_pulls = failed_pulls
         self.flights: dict[str, Flight] = {}
         self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
@@ -136,8 +139,11 @@ class Simulation:
         matches = self.fleet.index.match(flight.block_hashes)
         request = RequestView(flight.request_id, flight.prompt_tokens, flight.request.max_tokens,
                               self.fleet.block_size)
-        return self.policy.decide(request, self.fleet.views("prefill", matches),
-                                  self.fleet.views("decode", matches), self.cost_model)
+        prefill, decode = self.fleet.views("prefill", matches), self.fleet.views("decode", matches)
+        if self.bindings:  # pinned engines report their cores, as a worker's heartbeats do
+            views = with_core_neighbours(prefill + decode, self.bindings)
+            prefill, decode = views[:len(prefill)], views[len(prefill):]
+        return self.policy.decide(request, prefill, decode, self.cost_model)
 
     def _try_place(self, flight: Flight) -> bool:
         decision = self._decide(flight)

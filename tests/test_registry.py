@@ -3,6 +3,7 @@ a silent worker is dropped. Pure: heartbeats in, verdicts and views out, ``now``
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvroute import wire
@@ -159,3 +160,11 @@ def test_views_are_immutable(registry):
     registry.observe(beat(), now=1.0)
     with pytest.raises(Exception):
         registry.get("w1").role = "decode"  # type: ignore[misc]
+
+
+def test_the_cores_a_worker_computes_on_are_kept_for_the_planner(registry):
+    cores = wire.CoreBinding(machine="boot-a", cores=(1,))
+    registry.observe(msgspec.structs.replace(beat("p0"), cores=cores), now=0.0)
+    registry.observe(beat("p1"), now=0.0)
+    assert registry.get("p0").cores == cores
+    assert registry.get("p1").cores is None

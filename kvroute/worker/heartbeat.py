@@ -26,15 +26,16 @@ BEATS_QUEUED = 4  # per orchestrator, while it is not connected; later beats are
 
 
 def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: float,
-                 draining: bool = False, prefill_probe: wire.PrefillProbe | None = None) -> wire.Heartbeat:
+                 draining: bool = False, prefill_probe: wire.PrefillProbe | None = None,
+                 cores: wire.CoreBinding | None = None) -> wire.Heartbeat:
     """A worker's heartbeat: its identity and addresses from ``settings``, its load,
-    whether it is draining (then orchestrators plan nothing new onto it) and its start-up
-    prefill timing."""
+    whether it is draining (then orchestrators plan nothing new onto it), its start-up
+    prefill timing and the cores its engine computes on."""
     return wire.Heartbeat(worker_id=settings.worker_id, role=settings.role, incarnation=settings.incarnation,
                           rpc_address=settings.rpc_address, load=load, sent_at=now,
                           kv_events_address=settings.kv_events_address, model_fingerprint=model_fingerprint,
                           transfer_address=settings.transfer_address, draining=draining,
-                          prefill_probe=prefill_probe)
+                          prefill_probe=prefill_probe, cores=cores)
 
 
 class HeartbeatSender:

@@ -20,6 +20,7 @@ from pathlib import Path
 import zmq
 
 from kvroute import wire
+from kvroute.worker.cores import core_binding
 from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
 from kvroute.worker.engine import KV_EVENTS_TOPIC, reset_prefix_cache, start_engine
 from kvroute.worker.engine_stats import EngineStats
@@ -51,6 +52,7 @@ class Worker:
         self.fingerprint = model_fingerprint(self.settings.model)
         self.resident = ResidentBlocks()
         self.prefill_probe: wire.PrefillProbe | None = None
+        self.cores = core_binding(self.settings.omp_threads_bind)
         self._last_transfer = wire.TransferCounters()
 
     async def run(self) -> None:
@@ -101,7 +103,7 @@ class Worker:
     def heartbeat(self, now: float) -> wire.Heartbeat:
         return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
                             draining=self.server is not None and self.server.draining,
-                            prefill_probe=self.prefill_probe)
+                            prefill_probe=self.prefill_probe, cores=self.cores)
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)

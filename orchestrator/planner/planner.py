@@ -106,6 +106,8 @@ def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> 
 def timing(plan: Plan) -> str:
     estimate = plan.estimate
     text = f"TTFT {estimate.ttft:.3f} s (queue {estimate.queue_wait:.3f} s), gap {estimate.gap:.3f} s"
+    if estimate.contention > 0:
+        text += f", {estimate.contention:.3f} s of it for engines sharing its cores"
     if estimate.interference > 0:
         text += f", slows running decodes by {estimate.interference:.3f} s"
     return text

@@ -3,8 +3,10 @@
 Shared by the cache-aware planner and the baselines, so every decision record carries
 estimates computed the same way and can be compared side by side.
 
-    LOCAL d:     ttft = queue_wait(d) + prefill(d)        gap = 0   (+ interference on d)
-    DISAGG p->d: ttft = queue_wait(p) + prefill(p)        gap = transfer(p->d) + admission(d)
+    LOCAL d:     ttft = queue_wait(d) + prefill(d) + contention(d)   gap = 0   (+ interference on d)
+    DISAGG p->d: ttft = queue_wait(p) + prefill(p) + contention(p)   gap = transfer(p->d) + admission(d)
+
+``contention`` is what busy engines on the prefilling worker's CPU cores add.
 """
 
 from __future__ import annotations
@@ -86,9 +88,11 @@ def local_plan(request: RequestView, decode: WorkerView, model: CostModel, setti
     reused = reused_tokens(request, decode)
     queue_wait = cost.queue_wait_seconds(model, decode)
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role, decode.worker_id)
-    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0, ttft=queue_wait + prefill,
-                        gap=0.0, reused_tokens=reused, transfer_bytes=0,
-                        interference=cost.local_interference_seconds(model, decode, prefill))
+    contention = cost.contention_seconds(model, decode, queue_wait + prefill)
+    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0,
+                        ttft=queue_wait + prefill + contention, gap=0.0, reused_tokens=reused, transfer_bytes=0,
+                        interference=cost.local_interference_seconds(model, decode, prefill),
+                        contention=contention)
     problem = decode_worker_problem(decode, request, settings) or queue_problem(decode, settings)
     return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
 
@@ -102,9 +106,10 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
                                    prefill_worker.worker_id)
     missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
-    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer, ttft=queue_wait + prefill,
-                        gap=transfer + cost.admission_seconds(model, decode), reused_tokens=reused,
-                        transfer_bytes=missing_bytes)
+    contention = cost.contention_seconds(model, prefill_worker, queue_wait + prefill)
+    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
+                        ttft=queue_wait + prefill + contention, gap=transfer + cost.admission_seconds(model, decode),
+                        reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention)
     problem = (prefill_worker_problem(prefill_worker, settings)
                or decode_worker_problem(decode, request, settings))
     return Plan(PlanKind.DISAGG, decode.worker_id, prefill_worker.worker_id, estimate, not problem, problem)

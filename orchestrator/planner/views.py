@@ -31,6 +31,9 @@ class WorkerView:
     in_flight: int = 0  # requests this orchestrator sent and has not seen finish
     cached_blocks: int = 0  # leading blocks of this request's prompt resident on the worker
     resident_blocks: int = 0  # blocks of any prompt resident on the worker (the index's count)
+    # Busy engines bound to one of this worker's CPU cores (``orchestrator.core_sharing``):
+    # while they compute, this one computes slower.
+    core_neighbours: tuple["WorkerView", ...] = ()
 
     @property
     def cache_fill(self) -> float:
@@ -61,6 +64,9 @@ class Estimate:
     # Seconds charged for slowing others down: a LOCAL prefill stalls the decode worker's
     # running decodes. Not part of this request's TTFT; planners add it when ranking.
     interference: float = 0.0
+    # Seconds the queue and prefill take longer because busy engines share the prefilling
+    # worker's CPU cores; part of ``ttft``.
+    contention: float = 0.0
 
 
 @dataclass(frozen=True)
