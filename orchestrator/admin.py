@@ -22,7 +22,8 @@ def describe_workers(fleet: Fleet, index: PrefixIndex, prefill_speed: Mapping[st
     return [{"worker_id": w.worker_id, "role": w.role, "incarnation": w.incarnation,
              "rpc_address": w.rpc_address, "transfer_address": w.transfer_address, "draining": w.draining,
              "in_flight": fleet.in_flight(w.worker_id), "index_blocks": index.num_blocks(w.worker_id),
-             "prefill_speed": prefill_speed.get(w.worker_id), "load": msgspec.to_builtins(w.load)}
+             "prefill_speed": prefill_speed.get(w.worker_id), "cores": msgspec.to_builtins(w.cores),
+             "load": msgspec.to_builtins(w.load)}
             for role in ROLES for w in (*fleet.live(role), *fleet.draining(role))]
 
 

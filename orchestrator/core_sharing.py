@@ -16,12 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from kvroute import wire
+from orchestrator.planner.cost_model import active_requests
 from orchestrator.planner.views import WorkerView
 
 
 def is_busy(view: WorkerView) -> bool:
-    """Computing now or about to: running requests, or prompts queued."""
-    return view.num_running > 0 or view.num_waiting > 0 or view.num_queued_prefill_tokens > 0
+    """Computing now or about to: requests running, waiting or sent to it, or prompts queued."""
+    return active_requests(view) > 0 or view.num_queued_prefill_tokens > 0
 
 
 def with_core_neighbours(views: Sequence[WorkerView],

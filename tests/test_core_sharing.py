@@ -65,7 +65,7 @@ def test_the_machine_is_the_running_kernel(tmp_path):
 
 
 def test_busy_engines_on_a_shared_core_are_attached_and_idle_ones_are_not():
-    views = [worker("p0"), worker("p1", num_queued_prefill_tokens=300), worker("d0", num_running=2),
+    views = [worker("p0"), worker("p1", num_queued_prefill_tokens=300), worker("d0", in_flight=2),
              worker("d1")]
     bindings = {"p0": binding(0), "p1": binding(1), "d0": binding(0), "d1": binding(1)}
     by_id = {view.worker_id: view for view in with_core_neighbours(views, bindings)}
@@ -96,6 +96,9 @@ def test_a_decoding_neighbour_doubles_a_prefill_and_a_prefilling_one_adds_its_qu
     prefilling = worker("p1", num_queued_prefill_tokens=1000)
     queued = cost.queued_prefill_seconds(MODEL, prefilling)
     assert cost.neighbour_busy_seconds(MODEL, decoding) == math.inf
+    # sent by this orchestrator, not in its heartbeat yet (or still prefilling elsewhere)
+    assert cost.neighbour_busy_seconds(MODEL, worker("d0", in_flight=1)) == math.inf
+    assert cost.neighbour_busy_seconds(MODEL, worker("d0")) == 0.0
     assert cost.contention_seconds(MODEL, worker("p0", core_neighbours=(decoding,)), 2.0) == 2.0
     # processor sharing: P alongside B ends after P + min(B, P)
     assert cost.contention_seconds(MODEL, worker("p0", core_neighbours=(prefilling,)), 10 * queued) == \

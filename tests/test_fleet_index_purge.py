@@ -110,6 +110,7 @@ async def test_admin_view_shows_each_worker_s_measured_prefill_speed():
         assert (await send(worker, heartbeat("x"))).accepted
         (unmeasured,) = describe_workers(fleet, index)
         assert unmeasured["worker_id"] == "prefill-0" and unmeasured["prefill_speed"] is None
+        assert unmeasured["cores"] is None  # its engine is bound to no particular cores
         (measured,) = describe_workers(fleet, index, {"prefill-0": 1.3, "gone": 2.0})
         assert measured["prefill_speed"] == 1.3
     finally:

@@ -136,10 +136,12 @@ def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
 
 def neighbour_busy_seconds(model: CostModel, neighbour: WorkerView) -> float:
     """How long an engine sharing our cores keeps computing, in seconds of its own full
-    speed. A decode worker with running requests steps back to back until they end, and
-    how many tokens they still want is unknown, so it counts as busy throughout; any
-    other engine, until its queued prefills are done."""
-    if neighbour.role == "decode" and neighbour.num_running > 0:
+    speed. A decode worker with requests steps back to back until they end, and how many
+    tokens they still want is unknown, so it counts as busy throughout. Its requests
+    include those this orchestrator sent that its heartbeat does not show yet, and those
+    still prefilling elsewhere: they start decoding there within a prefill's time. Any
+    other engine is busy until its queued prefills are done."""
+    if neighbour.role == "decode" and active_requests(neighbour) > 0:
         return math.inf
     return queued_prefill_seconds(model, neighbour)
 
