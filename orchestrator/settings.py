@@ -28,6 +28,8 @@ class OrchestratorSettings:
                                                  "X-KVRoute-Policy (for side-by-side experiments)")
     gap_bound_seconds: float = setting(0.25, "largest acceptable hand-off (first to second token) "
                                              "before the planner trades TTFT for it")
+    tie_band: float = setting(0.1, "plans costing within this fraction of the cheapest are ties, won by the "
+                                   "emptiest cache (so new prefixes spread over the pool)")
     top_k: int = setting(4, "candidates kept per pool and ranking before plans are enumerated")
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
@@ -80,7 +82,7 @@ class OrchestratorSettings:
                 "access_log": self.access_log, "timeout_keep_alive": self.keep_alive_seconds}
 
     def planner_settings(self) -> PlannerSettings:
-        return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, top_k=self.top_k,
+        return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, tie_band=self.tie_band, top_k=self.top_k,
                                max_in_flight=self.max_in_flight_per_worker,
                                max_queued_prefill_tokens=self.max_queued_prefill_tokens)
 

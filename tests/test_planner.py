@@ -218,7 +218,21 @@ def test_equal_cost_placements_go_to_the_emptier_cache(seed, prefill, decode, ex
     decision = decide(prefill, decode, model)
     assert decision.chosen.workers == expected, decision.reason
     if expected == ("p1", "d0"):
-        assert "emptier cache (10% full against 90%)" in decision.reason
+        assert "the emptier cache wins (10% full against 90%)" in decision.reason
+
+
+@pytest.mark.parametrize("cold_queue_tokens, expected", [
+    (100, "p1"),  # ~8% dearer than the fuller cache: within the 10% band, the emptier cache takes it
+    (400, "p0"),  # ~33% dearer: cost wins
+])
+def test_near_equal_placements_go_to_the_emptier_cache_within_the_tie_band(cold_queue_tokens, expected):
+    full = worker("p0", resident_blocks=900)
+    empty = worker("p1", resident_blocks=100, num_waiting=0, num_queued_prefill_tokens=cold_queue_tokens)
+    model = CostModel(interleave_seconds_per_active=0.0, local_interference_weight=1.0)
+    decision = decide([full, empty], [BUSY_DECODE], model)
+    assert decision.chosen.prefill_worker == expected, decision.reason
+    strict = decide([full, empty], [BUSY_DECODE], model, settings=PlannerSettings(tie_band=0.0))
+    assert strict.chosen.prefill_worker == "p0"
 
 
 def test_cache_fill_is_the_indexed_share_of_the_cache():

@@ -234,7 +234,10 @@ def test_every_policy_conserves_requests_and_blocks(trace, policy, monkeypatch):
             return item
 
     monkeypatch.setattr(simulator.events, "heapq", RecordingHeap)
-    result = simulate(trace, policy, num_prefill=2, num_decode=2, settings=SMALL)
+    # All 80 requests arrive within 0.22 s: the last ones wait for capacity well past the
+    # service's 10 s admission wait, which would answer them 429; here they wait it out.
+    patient = replace(SMALL, admission=AdmissionSettings(wait_seconds=120.0))
+    result = simulate(trace, policy, num_prefill=2, num_decode=2, settings=patient)
     records = result.records
     assert len(records) == trace.kept == len({r.request_id for r in records})
     assert sorted(r.index for r in records) == sorted(r.index for r in trace.requests)

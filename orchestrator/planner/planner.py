@@ -8,11 +8,13 @@ whose hand-off gap exceeds the bound is charged its whole gap as well. A gap wit
 bound is free; one past it costs what it costs, so a plan just over the bound still
 beats one that makes the client wait many times longer for its first token (a strict
 "within the bound first" order sent every request of an overloaded cluster to the one
-decode worker, whose LOCAL plans have no gap). Ties go to the plan whose prefilling
-worker's cache is emptier, then the smaller gap, the lighter load and worker ids: the
-prompt's blocks stay cached where it is prefilled, so equal-cost placements of new
-prefixes fill the pool's caches evenly instead of evicting one worker's other prefixes
-(which a smaller but noisy link-estimate gap did: one worker took most new prefixes).
+decode worker, whose LOCAL plans have no gap). Plans within the tie band of the
+cheapest (``PlannerSettings.tie_band``, 10%) are ties, and go to the plan whose
+prefilling worker's cache is emptier, then the cheaper, the smaller gap, the lighter
+load and worker ids: the prompt's blocks stay cached where it is prefilled, so
+near-equal placements of new prefixes fill the pool's caches evenly instead of evicting
+one worker's other prefixes (which a smaller but noisy link-estimate gap did, and then
+a worker measured 4% faster than one not yet measured: one worker took most new prefixes).
 """
 
 from __future__ import annotations
@@ -60,19 +62,34 @@ def enumerate_plans(request: RequestView, prefill: list[WorkerView], decode: lis
 
 
 def rank(plans: list[Plan], views: dict[str, WorkerView], settings: PlannerSettings) -> list[Plan]:
-    """Feasible plans, best first."""
-    return sorted((plan for plan in plans if plan.feasible), key=lambda plan: ranking_key(plan, views, settings))
+    """Feasible plans, best first: among those within the tie band of the cheapest, the
+    emptiest cache first; the rest by cost."""
+    ranked = sorted((plan for plan in plans if plan.feasible), key=lambda plan: ranking_key(plan, views, settings))
+    if not ranked:
+        return ranked
+    limit = ranking_seconds(ranked[0], settings) * (1 + settings.tie_band)
+    tied = [plan for plan in ranked if ranking_seconds(plan, settings) <= limit]
+    rest = ranked[len(tied):]  # sorted by cost, so the tied plans are the leading ones
+    return sorted(tied, key=lambda plan: (cache_fill(plan, views), ranking_key(plan, views, settings))) + rest
+
+
+def ranking_seconds(plan: Plan, settings: PlannerSettings) -> float:
+    """What a plan costs: its TTFT, the interference it causes, and its gap if over the bound."""
+    estimate = plan.estimate
+    over_bound = estimate.gap > settings.gap_bound_seconds
+    return estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
+
+
+def cache_fill(plan: Plan, views: dict[str, WorkerView]) -> float:
+    """How full the prefilling worker's cache is, to a percent."""
+    return round(views[plan.prefill_worker or plan.decode_worker].cache_fill, CACHE_FILL_RESOLUTION)
 
 
 def ranking_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> tuple:
-    estimate = plan.estimate
-    over_bound = estimate.gap > settings.gap_bound_seconds
-    seconds = estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
     load = [load_key(views[worker_id])[:2] for worker_id in plan.workers]
     total_load = (sum(active for active, _ in load), sum(queued for _, queued in load))
-    prefilling = views[plan.prefill_worker or plan.decode_worker]
-    return (round(seconds, TIE_RESOLUTION_SECONDS), round(prefilling.cache_fill, CACHE_FILL_RESOLUTION),
-            round(estimate.gap, TIE_RESOLUTION_SECONDS), total_load, plan.prefill_worker or "", plan.decode_worker)
+    return (round(ranking_seconds(plan, settings), TIE_RESOLUTION_SECONDS), cache_fill(plan, views),
+            round(plan.estimate.gap, TIE_RESOLUTION_SECONDS), total_load, plan.prefill_worker or "", plan.decode_worker)
 
 
 def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: dict[str, WorkerView],
@@ -87,9 +104,10 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
         runner_up = ranked[1]
         reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
                    f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s)")
-        chosen_key, runner_up_key = ranking_key(chosen, views, settings), ranking_key(runner_up, views, settings)
-        if chosen_key[0] == runner_up_key[0] and chosen_key[1] != runner_up_key[1]:
-            reason += f"; equal cost, emptier cache ({chosen_key[1]:.0%} full against {runner_up_key[1]:.0%})"
+        if cache_fill(chosen, views) < cache_fill(runner_up, views) and \
+                ranking_seconds(chosen, settings) >= ranking_seconds(runner_up, settings):
+            reason += (f"; within {settings.tie_band:.0%} of the cheapest, so the emptier cache wins "
+                       f"({cache_fill(chosen, views):.0%} full against {cache_fill(runner_up, views):.0%})")
     return reason
 
 
