@@ -5,13 +5,17 @@ through ``apply()`` of vLLM-shaped ``BlockStored`` events, one per stored chain,
 per-worker engine hashes. The fleet (defaults) holds about one million block entries:
 
 * 64 workers in 8 groups of 8; one public tenant, 4 private tenants;
-* a public system prompt (16 blocks) on every worker;
-* 16 "hot" documents continuing the system prompt to 64 blocks, on every worker, each
-  worker holding each to its own depth (16..64 blocks);
+* a public system prompt (2,048 tokens: 16 blocks of 128) on every worker;
+* 16 "hot" documents continuing the system prompt to 8,192 tokens (64 blocks), on every
+  worker, each worker holding each to its own depth (16..64 blocks);
 * per group 64 documents continuing the system prompt, on the group's 8 workers, each
   to its own depth;
 * the rest per worker: unique conversations branching off a document it holds at some
   depth and continuing to 64 blocks (75%), and private-tenant chains of 64 blocks (25%).
+
+Block counts are for the default ``--block-size`` of 128; at another size the token
+lengths stay and the counts follow (at 32: 64 system blocks, 256-block prompts), while
+``--blocks`` still counts block entries.
 
 Lookups (``--lookups``, default 2,000) use 8,192-token prompts (64 blocks of 128), a mix of
 
@@ -62,9 +66,12 @@ from orchestrator.index import PrefixIndex  # noqa: E402
 console = Console(width=int(os.environ.get("COLUMNS", "140")))
 
 TARGET_P99_S = 0.001
+PROMPT_TOKENS = 8192
+SYSTEM_TOKENS = 2048
+# Set from --block-size by use_block_size(); the fleet's shape is in blocks of this size.
 BLOCK_SIZE = 128
-PROMPT_BLOCKS = 64  # 8,192 tokens
-SYSTEM_BLOCKS = 16
+PROMPT_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE
+SYSTEM_BLOCKS = SYSTEM_TOKENS // BLOCK_SIZE
 HOT_DOCS = 16
 GROUP_DOCS = 64
 PRIVATE_TENANTS = 4
@@ -86,8 +93,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookups", type=int, default=2000, help="timed lookups (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="tokens per block; the prompt stays 8,192 tokens (default: %(default)s)")
     parser.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations while populating (slow)")
     return parser.parse_args(argv)
+
+
+def use_block_size(size: int) -> None:
+    """The prompt and the system prompt keep their token lengths; their block counts follow."""
+    global BLOCK_SIZE, PROMPT_BLOCKS, SYSTEM_BLOCKS
+    if size < 1 or SYSTEM_TOKENS % size:
+        raise SystemExit(f"--block-size must divide {SYSTEM_TOKENS}, got {size}")
+    BLOCK_SIZE, PROMPT_BLOCKS, SYSTEM_BLOCKS = size, PROMPT_TOKENS // size, SYSTEM_TOKENS // size
 
 
 def results_path(output: Path) -> Path:
@@ -119,7 +136,7 @@ def unique_seed(w: int, j: int) -> int:
 
 
 def document(doc: tuple[str, int, int]) -> list[int]:
-    """System prompt + document continuation: 64 blocks."""
+    """System prompt + document continuation: one whole prompt."""
     kind, a, b = doc
     seed = hot_seed(a) if kind == "hot" else group_seed(a, b)
     return chunk(SYSTEM_SEED, SYSTEM_BLOCKS) + chunk(seed, PROMPT_BLOCKS - SYSTEM_BLOCKS)
@@ -335,6 +352,7 @@ def print_report(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    use_block_size(args.block_size)
     out_file = results_path(args.output)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)

@@ -18,9 +18,11 @@ Sizing. Each worker's KV cache (``--kv-cache-gib``) is, by default, chosen from 
 workload: ``--cache-fraction`` (0.4) of the shared-prefix working set (the templated
 system turns of all repositories, 23,040 bytes a token in bf16), plus room for one
 longest prompt in flight, so about half the working set while a worker is idle. A
-block-level LRU simulation of the default workload (tail blocks evicted first, as vLLM
-does) puts round-robin's hit rate at 40-50% at that size and a policy that keeps each
-repository on one prefill worker at 70-80%. At a third of the working set both are lower
+block-level LRU simulation of the default workload (128-token blocks, tail blocks evicted
+first, as vLLM does) puts round-robin's hit rate at 40-50% at that size and a policy that
+keeps each repository on one prefill worker at 70-80%. The workers run at their default
+block size (32 tokens on CPU, ``kvroute.worker.block_size``), so a hit recomputes less of
+a prefix's tail than that simulation assumed. At a third of the working set both are lower
 (about 30% and 55-60%): every request also leaves one unshareable block (prefix tail +
 question) in the cache, and each repository's first request misses anyway (12 of 120).
 The same size is the decode worker's cache, which must hold the prompts of all requests

@@ -27,13 +27,14 @@ LEASE_SECONDS = 3.0
 STAGING_GIB = 0.03  # five blocks of SmolLM2 in float32 (5.9 MB each)
 STAGED_BLOCKS, IN_PLACE_BLOCKS = 3, 8
 STEP_TOKENS = 512  # short engine steps, so the step-boundary test takes seconds, not a minute
+BLOCK_TOKENS = 128  # the block counts and the staging budget above are in blocks of this size
 
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory):
     worker = start_worker("prefill", tmp_path_factory.mktemp("lease-expiry"), "0",
                           ["--lease-seconds", str(LEASE_SECONDS), "--lease-staging-gib", str(STAGING_GIB),
-                           "--step-tokens", str(STEP_TOKENS)])
+                           "--step-tokens", str(STEP_TOKENS), "--block-size", str(BLOCK_TOKENS)])
     try:
         worker.wait_ready(START_TIMEOUT)
         yield worker
@@ -50,7 +51,7 @@ async def client(producer):
 
 def prompt_of(blocks: int, first_token: int) -> list[int]:
     """A prompt that fills ``blocks - 1`` blocks and part of one more, unlike any other test's."""
-    return [first_token + i % 5000 for i in range((blocks - 1) * 128 + 40)]
+    return [first_token + i % 5000 for i in range((blocks - 1) * BLOCK_TOKENS + 40)]
 
 
 async def hold_unpulled(client: WorkerClient, request_id: str, prompt: list[int]) -> wire.PullSource:
@@ -59,7 +60,7 @@ async def hold_unpulled(client: WorkerClient, request_id: str, prompt: list[int]
         sampling=wire.SamplingSpec(max_tokens=1, temperature=0.0)))]
     source = chunks[-1].pull_source
     assert source is not None and source.num_tokens == len(prompt), chunks[-1]
-    assert math.ceil(source.num_tokens / source.block_size) == len(prompt) // 128 + 1
+    assert math.ceil(source.num_tokens / source.block_size) == len(prompt) // BLOCK_TOKENS + 1
     return source
 
 

@@ -81,10 +81,10 @@ def cluster(tmp_path_factory):
     """Ports fixed for the module; two prefill workers and one decode worker report there."""
     folder = tmp_path_factory.mktemp("orchestrator-restart")
     ports = {"port": free_port(), "registry_port": free_port()}
-    registry = ["--orchestrator", f"tcp://127.0.0.1:{ports['registry_port']}"]
+    worker_args = ["--orchestrator", f"tcp://127.0.0.1:{ports['registry_port']}", "--block-size", str(BLOCK_TOKENS)]
     orchestrator = Orchestrator(**ports, log_path=folder / "orchestrator.log")
-    workers = [start_worker("prefill", folder, "0", registry), start_worker("prefill", folder, "1", registry),
-               start_worker("decode", folder, "1", registry)]
+    workers = [start_worker("prefill", folder, "0", worker_args), start_worker("prefill", folder, "1", worker_args),
+               start_worker("decode", folder, "1", worker_args)]
     state = {"orchestrator": orchestrator, "workers": workers, "ports": ports, "folder": folder}
     try:
         for worker in workers:

@@ -71,3 +71,19 @@ def test_probe_tokens_flag(parser):
     for bad in (-1, 4096):
         with pytest.raises(ValueError, match="probe_tokens"):
             WorkerSettings(role="prefill", model="/models/m", max_model_len=4096, probe_tokens=bad)
+
+
+@pytest.mark.parametrize("requested, cuda, expected", [
+    (None, False, 32),  # CPU: finer blocks, so a hit recomputes less of the shared prefix's tail
+    (None, True, None),  # GPU: vLLM's own default
+    (128, False, 128),
+    (16, True, 16),
+])
+def test_block_size_default_depends_on_the_platform(requested, cuda, expected):
+    from kvroute.worker.block_size import resolve_block_size
+
+    assert resolve_block_size(requested, cuda) == expected
+
+
+def test_explicit_block_size_reaches_the_engine(parser):
+    assert engine_args(settings_of(parser, "prefill", "--block-size", "64")).block_size == 64

@@ -10,6 +10,7 @@ from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from kvroute.netutil import tcp
+from kvroute.worker.block_size import resolve_here as resolve_block_size
 from kvroute.worker.engine_stats import EngineStats
 from kvroute.worker.settings import WorkerSettings
 
@@ -56,7 +57,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         enforce_eager=settings.enforce_eager,
         enable_prefix_caching=True,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
-        block_size=settings.block_size,
+        block_size=resolve_block_size(settings.block_size),
         max_model_len=settings.max_model_len,
         seed=settings.seed,
         long_prefill_token_threshold=settings.long_prefill_step_tokens,

@@ -21,7 +21,7 @@ class WorkerSettings:
     worker_id: str = ""
     dtype: str = "auto"  # see kvroute.worker.dtype
     kv_cache_gib: float = 0.5  # 8192 tokens of SmolLM2 in float32
-    block_size: int | None = None  # None: the engine's default (128 on CPU)
+    block_size: int | None = None  # None: 32 on CPU, the engine's default on GPU (kvroute.worker.block_size)
     max_model_len: int = 8192
     host: str = "127.0.0.1"  # address other processes use to reach this worker
     bind_host: str = "127.0.0.1"

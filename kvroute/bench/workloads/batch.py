@@ -6,7 +6,7 @@ offline job (summarise every document of a folder) submits them::
 * ``requests`` documents of ``document_min_tokens``..``document_max_tokens`` each, every
   one its own text from its title on;
 * the instruction (``instruction_tokens``, the same for all) is the only shared text:
-  with vLLM's 128-token blocks, less than one block of it is worth anything;
+  at a block size of 32 (kvroute's CPU default) or more, at most one block of it is worth anything;
 * arrivals: all at 0 s.
 
 Stresses: throughput and load balance under a burst, with almost nothing to reuse: a
