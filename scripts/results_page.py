@@ -164,6 +164,7 @@ def run_size(source, num_prefill: int, settings: SimulationSettings, calibration
                             "cached_tokens": s.cached_tokens, "finished": s.finished, "rejected": s.rejected,
                             "of_lru": share(s.cached_tokens, oracle["lru_all_workers"]["reused_tokens"]),
                             "of_unlimited": share(s.cached_tokens, oracle["unlimited"]["reused_tokens"]),
+                            "of_prefill_lru": share(s.cached_tokens, oracle["lru_prefill_pool"]["reused_tokens"]),
                             "wall_seconds": result.wall_seconds}
         ttfts[policy] = [r.ttft_seconds for r in result.records if r.ttft_seconds is not None]
         print(f"  {2 * num_prefill} workers, {policy}: {result.wall_seconds:.1f} s", flush=True)
@@ -350,7 +351,10 @@ process, {priority(report)}{load(report)}).{quick}
 * **Reuse bounds** (`kvroute.bench.oracle`, as `scripts/simulate.py` reports them): the
   unlimited cache (never evicts) and one shared LRU cache of all workers' blocks with
   perfect routing; "of LRU" and "of unlimited" are a policy's reused (cached) prompt
-  tokens over the bound's. Both bounds ignore timing: a request may reuse blocks that another is
+  tokens over the bound's. "of prefill LRU" is over one shared LRU cache of the prefill
+  workers' blocks alone: in disaggregated serving a decode worker's cache also holds a copy
+  of the prompt of every request it decodes, so the all-workers bound counts that capacity as
+  if it stored only distinct prefixes. Both bounds ignore timing: a request may reuse blocks that another is
   still computing, which no engine can. P50/P99 are over finished requests; "429" counts rejections."""
 
 
@@ -404,9 +408,10 @@ def trace_scaling(report: dict, rows: list[dict]) -> str:
     fits = [f"{r['workers']:,}" for r in rows
             if r["oracle"]["lru_all_workers"]["reused_tokens"] >= r["oracle"]["unlimited"]["reused_tokens"]]
     sizes = table(["workers", "requests", "time scale", "trace seconds", "cold prefill load", "LRU bound",
-                   "unlimited bound"],
+                   "prefill LRU bound", "unlimited bound"],
                   [[r["workers"], r["requests"], f"{r['time_scale']:.4g}", f"{r['trace_seconds']:,.0f}",
                     cell(r["cold_prefill_load"], "x"), cell(r["oracle"]["lru_all_workers"]["hit_rate"], "%"),
+                    cell(r["oracle"]["lru_prefill_pool"]["hit_rate"], "%"),
                     cell(r["oracle"]["unlimited"]["hit_rate"], "%")] for r in rows])
     return f"""### trace
 
@@ -447,10 +452,11 @@ def notes_section(workloads: dict[str, list[dict]]) -> str:
 
 
 def workload_section(workload: str, rows: list[dict], plots: list[str]) -> str:
-    policies = table(["workers", "policy", "P50 TTFT (s)", "P99 TTFT (s)", "hit rate", "of LRU", "of unlimited",
-                      "429", "wall (s)"],
+    policies = table(["workers", "policy", "P50 TTFT (s)", "P99 TTFT (s)", "hit rate", "of LRU", "of prefill LRU",
+                      "of unlimited", "429", "wall (s)"],
                      [[r["workers"], policy, cell(p["ttft_p50_s"]), cell(p["ttft_p99_s"]), cell(p["hit_rate"], "%"),
-                       cell(p["of_lru"], "%"), cell(p["of_unlimited"], "%"), p["rejected"],
+                       cell(p["of_lru"], "%"), cell(p.get("of_prefill_lru"), "%"), cell(p["of_unlimited"], "%"),
+                       p["rejected"],
                        f"{p['wall_seconds']:.1f}"] for r in rows for policy, p in r["policies"].items()])
     names = [t["target"] for t in rows[0]["targets"]]
     ratio_rows = [[r["workers"], r["requests"]] + [verdict(t) for t in r["targets"]]

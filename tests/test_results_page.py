@@ -71,7 +71,10 @@ def test_policy_tables_match_the_json(page):
                 assert float(cells[3]) == pytest.approx(summary["ttft_p99_s"], abs=0.005)
                 assert float(cells[4].rstrip("%")) == pytest.approx(100 * summary["hit_rate"], abs=0.05)
                 assert float(cells[5].rstrip("%")) == pytest.approx(100 * summary["of_lru"], abs=0.05)
-                assert int(cells[7]) == summary["rejected"]
+                assert float(cells[6].rstrip("%")) == pytest.approx(100 * summary["of_prefill_lru"], abs=0.05)
+                assert int(cells[8]) == summary["rejected"]
+                prefill_bound = row["oracle"]["lru_prefill_pool"]["reused_tokens"]
+                assert summary["of_prefill_lru"] == pytest.approx(summary["cached_tokens"] / prefill_bound)
 
 
 def row_policies(rows: list[dict]) -> set[str]:
