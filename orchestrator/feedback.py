@@ -12,6 +12,7 @@ Link estimates come from the pulls the decode workers' connectors timed.
 from __future__ import annotations
 
 import logging
+import time
 
 from orchestrator.decisions import DecisionRecord
 from orchestrator.index_sync import IndexSync
@@ -43,11 +44,12 @@ class Feedback:
         actual = record.actual
         if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
             self.calibration.observe_link(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
-                                           actual.transfer_seconds)
+                                           actual.transfer_seconds, now=time.monotonic())
             self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
                                           actual.transfer_seconds)
         shared_cores = plan.estimate is not None and plan.estimate.contention > 0
         if idle_at_start and not shared_cores and actual.ttft is not None and actual.reused_tokens is not None:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens
-            self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling)
+            self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling,
+                                             now=time.monotonic())

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from orchestrator.planner import cost_model as cost
-from orchestrator.planner.calibration import Calibration, LinkCalibrator, PrefillCalibrator, calibrated_model
+from orchestrator.planner.calibration import (MEASUREMENT_MEMORY_SECONDS, Calibration, LinkCalibrator, PrefillCalibrator,
+                                             calibrated_model)
 from orchestrator.planner.cost_model import CostModel, LinkEstimate, PrefillCoefficients
 from orchestrator.planner.views import WorkerView
 
@@ -77,6 +78,16 @@ def test_local_prefill_on_a_busy_decode_worker_is_penalised():
 def test_admission_waits_behind_waiting_requests():
     assert cost.admission_seconds(MODEL, worker(role="decode")) == pytest.approx(0.020)
     assert cost.admission_seconds(MODEL, worker(role="decode", num_waiting=2)) == pytest.approx(0.060)
+
+
+def test_admission_waits_for_the_decode_workers_own_prefills_still_running_on_arrival():
+    """A decode worker prefilling 2,000 tokens of its own (0.62 s at the defaults) steps
+    again only when that is done: blocks arriving after 0.2 s wait the other 0.42 s."""
+    prefilling = worker(role="decode", num_queued_prefill_tokens=2000)
+    own_prefill = 2000 * MODEL.prefill.per_token_seconds
+    assert cost.admission_seconds(MODEL, prefilling, arrives_after=0.2) == pytest.approx(
+        0.020 + own_prefill - 0.2)
+    assert cost.admission_seconds(MODEL, prefilling, arrives_after=own_prefill + 1) == pytest.approx(0.020)
 
 
 def test_the_model_is_frozen_mappings_included():
@@ -323,3 +334,61 @@ def test_a_slower_worker_is_priced_slower_for_its_queue_too():
     interleave = MODEL.interleave_seconds_per_active * 2  # the batch's share, whatever the speed
     assert cost.queue_wait_seconds(slow, queued) - interleave == pytest.approx(
         2 * (cost.queue_wait_seconds(MODEL, queued) - interleave))
+
+
+MEMORY = MEASUREMENT_MEMORY_SECONDS
+
+
+def test_a_link_not_used_for_the_memory_is_priced_like_the_fleets_typical_link():
+    """Two transfers that overlapped priced one link at 7 MB/s; unused, it was never
+    corrected. Past the memory it is priced like the links in use, and its next
+    transfer relearns it from scratch."""
+    calibration = Calibration()
+    for second in range(0, 200, 10):
+        calibration.observe_link("p0", "d0", 60_000_000, 0.001 + 60_000_000 / 500e6, now=second)
+    calibration.observe_link("p1", "d0", 59_000_000, 0.001 + 59_000_000 / 500e6, now=90.0)
+    for num_bytes, seconds in [(63_000_000, 0.45), (2_950_000, 0.41)]:  # two surprises: restarted slow
+        calibration.observe_link("p1", "d0", num_bytes, seconds, now=100.0)
+    assert calibration.calibrated_model(now=101.0).link("p1", "d0").bandwidth_bytes_per_second < 10e6
+    later = calibration.calibrated_model(now=100.0 + MEMORY + 1)
+    assert later.link("p1", "d0").bandwidth_bytes_per_second == pytest.approx(500e6, rel=0.01)
+    calibration.observe_link("p1", "d0", 60_000_000, 0.001 + 60_000_000 / 400e6, now=100.0 + MEMORY + 2)
+    relearned = calibration.calibrated_model(now=100.0 + MEMORY + 3).link("p1", "d0")
+    assert relearned.bandwidth_bytes_per_second == pytest.approx(400e6, rel=0.01)
+
+
+def test_the_typical_link_is_the_median_of_the_links_in_use_else_the_prior():
+    links = LinkCalibrator()
+    assert links.typical(now=0.0) == cost.DEFAULT_LINK
+    for name, bandwidth in [("p0", 100e6), ("p1", 200e6), ("p2", 900e6)]:
+        links.observe(name, "d0", 10_000_000, 0.001 + 10_000_000 / bandwidth, now=0.0)
+    assert links.typical(now=1.0).bandwidth_bytes_per_second == pytest.approx(200e6)
+    links.observe("p2", "d0", 10_000_000, 0.001 + 10_000_000 / 900e6, now=MEMORY)
+    assert links.typical(now=MEMORY + 1).bandwidth_bytes_per_second == pytest.approx(900e6)  # only p2 in use
+    assert links.typical(now=3 * MEMORY) == cost.DEFAULT_LINK  # none in use
+    assert set(links.estimates(now=3 * MEMORY)) == set() and len(links.estimates()) == 3
+
+
+def test_a_worker_speed_is_forgotten_after_the_memory():
+    """A worker measured slow in a bad minute is priced like its class again afterwards,
+    so it is chosen, and measured, again."""
+    calibration = Calibration()
+    for index, (new, cached, seconds) in enumerate(noisy_prefills(8, noise=0.0)):
+        calibration.observe_prefill("prefill", new, cached, seconds, worker_id="steady", now=float(index))
+        calibration.observe_prefill("prefill", new, cached, 1.5 * seconds, worker_id="unlucky", now=float(index))
+    speeds = calibration.calibrated_model(now=10.0).prefill_speed
+    assert speeds["unlucky"] / speeds["steady"] == pytest.approx(1.5)
+    later = calibration.calibrated_model(now=8.0 + MEMORY)
+    assert "unlucky" not in later.prefill_speed and "steady" not in later.prefill_speed
+    assert cost.prefill_seconds(later, 1000, 0, "prefill", "unlucky") == cost.prefill_seconds(later, 1000, 0, "prefill")
+
+
+def test_without_a_clock_measurements_are_never_forgotten():
+    calibration = Calibration()
+    calibration.observe_link("p0", "d0", 10_000_000, 0.011)
+    for new, cached, seconds in noisy_prefills(8, noise=0.0):
+        calibration.observe_prefill("prefill", new, cached, seconds, worker_id="steady")
+        calibration.observe_prefill("prefill", new, cached, 2 * seconds, worker_id="slow")
+    model = calibration.calibrated_model(now=1e9)
+    assert model.link("p0", "d0").bandwidth_bytes_per_second == pytest.approx(1e9)
+    assert model.prefill_speed["slow"] / model.prefill_speed["steady"] == pytest.approx(2.0)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from orchestrator.decisions import DecisionRecord
 from orchestrator.feedback import Feedback
 from orchestrator.metrics import Metrics
-from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.calibration import MEASUREMENT_MEMORY_SECONDS, Calibration
 from orchestrator.planner.views import Decision, Estimate, Plan, PlanKind
 
 BLOCK = 128
@@ -74,3 +75,14 @@ def test_the_stored_part_of_a_prediction_never_exceeds_the_prediction():
     made = DecisionRecord.from_decision(decision, "chatcmpl-2", 0, "req-2", 1300, BLOCK, stored_tokens=1280)
     assert (made.predicted_reused_tokens, made.predicted_stored_tokens) == (1024, 1024)
     assert made.alternatives == []
+
+
+def test_fed_back_transfers_are_stamped_with_the_clock_and_forgotten_after_the_memory():
+    loop, _, _ = feedback()
+    slow_pull = record(predicted=0, stored=0, reused=0)
+    slow_pull.actual.transfer_bytes, slow_pull.actual.transfer_seconds = 50_000_000, 5.0  # 10 MB/s
+    loop.observe(disagg(), slow_pull, idle_at_start=False)
+    now = time.monotonic()
+    assert loop.calibration.calibrated_model(now).link("prefill-a", "decode-a").bandwidth_bytes_per_second < 11e6
+    forgotten = loop.calibration.calibrated_model(now + MEASUREMENT_MEMORY_SECONDS + 1)
+    assert forgotten.link("prefill-a", "decode-a") == loop.calibration.base.default_link  # the prior

@@ -111,8 +111,9 @@ def test_a_plan_over_the_gap_bound_loses_to_a_slower_one_within_it():
 
 def test_when_every_gap_is_over_the_bound_least_ttft_plus_gap_wins():
     links = {("p0", "d0"): LinkEstimate(3e9, 1.0), ("p1", "d0"): LinkEstimate(3e9, 0.3)}
-    decode = worker("d0", num_queued_prefill_tokens=20_000)  # LOCAL is off: queue over its cap
-    decision = decide([worker("p0", cached_blocks=57), worker("p1")], [decode], CostModel(links=links))
+    decode = worker("d0", num_queued_prefill_tokens=1)  # LOCAL is off: queue at its cap
+    decision = decide([worker("p0", cached_blocks=57), worker("p1")], [decode], CostModel(links=links),
+                      PlannerSettings(max_queued_prefill_tokens=1))
     assert decision.chosen.prefill_worker == "p1"  # TTFT 0.38 + gap 0.33 beats 0.05 + 1.03
     assert "gap bound" in decision.reason
 
@@ -233,6 +234,31 @@ def test_near_equal_placements_go_to_the_emptier_cache_within_the_tie_band(cold_
     assert decision.chosen.prefill_worker == expected, decision.reason
     strict = decide([full, empty], [BUSY_DECODE], model, settings=PlannerSettings(tie_band=0.0))
     assert strict.chosen.prefill_worker == "p0"
+
+
+def test_a_decode_worker_busy_prefilling_delays_the_second_token_of_plans_pulling_to_it():
+    """Measured: DISAGG hits estimated at 0.06-0.23 s of gap waited 1.8-4.6 s for the
+    decode worker's LOCAL prefill to end."""
+    prefilling = worker("d0", num_queued_prefill_tokens=4000)  # ~1.2 s of its own prefill left
+    decision = decide([worker("p0", cached_blocks=57)], [prefilling])
+    hit = next(plan for plan in decision.alternatives + (decision.chosen,) if plan.prefill_worker == "p0")
+    assert hit.estimate.gap > 1.0
+    assert hit.estimate.gap == pytest.approx(
+        hit.estimate.transfer + MODEL.decode_step_seconds + 4000 * MODEL.prefill.per_token_seconds
+        - hit.estimate.ttft - hit.estimate.transfer, rel=1e-6)
+
+
+def test_within_the_tie_band_the_plan_reusing_more_wins_over_the_emptier_cache():
+    """Both wait as long for the busy decode worker; the hit computes a fraction of the cold one."""
+    prefilling = worker("d0", num_queued_prefill_tokens=6000, resident_blocks=999)  # LOCAL: queued, full
+    warm = worker("p0", cached_blocks=57, resident_blocks=900)
+    cold = worker("p1", resident_blocks=0)
+    decision = decide([warm, cold], [prefilling], settings=PlannerSettings(tie_band=0.2))
+    costs = {plan.prefill_worker: plan.estimate.ttft + plan.estimate.gap
+             for plan in (decision.chosen,) + decision.alternatives}
+    assert costs["p0"] >= costs["p1"] and costs["p0"] <= 1.2 * costs["p1"]
+    assert decision.chosen.prefill_worker == "p0", decision.reason
+    assert "the plan reusing more wins" in decision.reason
 
 
 def test_cache_fill_is_the_indexed_share_of_the_cache():

@@ -23,6 +23,14 @@ DEFAULT_LINK_SMOOTHING = 0.2  # weight of the newest transfer; ~5 transfers of m
 # few points make a median, and recent ones follow a neighbour that got busy or idle.
 WORKER_SPEED_WINDOW = 32
 WORKER_SPEED_MIN_POINTS = 4
+# How long a measurement of one worker or one link is believed without a newer one. A
+# worker or link measured slow is no longer chosen, so nothing would ever correct its
+# estimate: in a real replay two transfers that overlapped on one link priced it at
+# 7 MB/s (500 MB/s was usual), its prefill worker got 1 request of the next 120 and its
+# cache stayed empty. Past this age the measurement is forgotten, the worker or link is
+# priced like its peers, and the next request that suits it measures it again; one that
+# really is slow costs one request per memory.
+MEASUREMENT_MEMORY_SECONDS = 60.0
 # Below this spread of transfer sizes (relative) the sizes cannot separate latency from bandwidth.
 MIN_RELATIVE_SIZE_SPREAD = 0.05
 
@@ -63,28 +71,31 @@ class PrefillCalibrator:
         self.window = window
         self.min_points = min_points
         self._observations: dict[str, deque[tuple[int, int, float]]] = {}
-        self._by_worker: dict[str, deque[tuple[str, int, int, float]]] = {}
+        self._by_worker: dict[str, deque[tuple[str, int, int, float, float | None]]] = {}
 
     def observe(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float,
-                worker_id: str = "") -> None:
-        """One prefill's time; with ``worker_id`` it also counts towards that worker's speed."""
+                worker_id: str = "", now: float | None = None) -> None:
+        """One prefill's time; with ``worker_id`` it also counts towards that worker's speed,
+        until ``MEASUREMENT_MEMORY_SECONDS`` after ``now`` (for good without ``now``)."""
         if new_tokens <= 0 or seconds <= 0:
             return  # nothing was computed, or the clock was wrong: neither says anything about cost
         history = self._observations.setdefault(worker_class, deque(maxlen=self.window))
         history.append((new_tokens, cached_tokens, seconds))
         if worker_id:
             own = self._by_worker.setdefault(worker_id, deque(maxlen=WORKER_SPEED_WINDOW))
-            own.append((worker_class, new_tokens, cached_tokens, seconds))
+            own.append((worker_class, new_tokens, cached_tokens, seconds, now))
 
-    def speeds(self, coefficients: Callable[[str], PrefillCoefficients]) -> dict[str, float]:
+    def speeds(self, coefficients: Callable[[str], PrefillCoefficients], now: float | None = None) -> dict[str, float]:
         """Each worker with enough recent prefills: the median of its measured over its
         class's estimated seconds (``coefficients(class)``, the model's own). Workers of one
         class share the fit, so the one on slower hardware or a busier core shows above 1
-        and the others below."""
+        and the others below. With ``now``, prefills older than the memory no longer count,
+        and a worker without enough newer ones is priced like its class."""
         speeds = {}
+        oldest = -float("inf") if now is None else now - MEASUREMENT_MEMORY_SECONDS
         for worker_id, points in sorted(self._by_worker.items()):
-            ratios = [seconds / predicted for worker_class, new, cached, seconds in points
-                      if (predicted := prefill_seconds_with(coefficients(worker_class), new, cached)) > 0]
+            ratios = [seconds / predicted for worker_class, new, cached, seconds, at in points
+                      if (at is None or at >= oldest) and (predicted := prefill_seconds_with(coefficients(worker_class), new, cached)) > 0]
             if len(ratios) >= WORKER_SPEED_MIN_POINTS:
                 speeds[worker_id] = float(np.median(ratios))
         return speeds
@@ -167,6 +178,9 @@ def link_estimate(moments: _LinkMoments, prior: LinkEstimate) -> LinkEstimate:
 class LinkCalibrator:
     """Bandwidth and latency per (source, destination), following recent transfers.
 
+    A link not used for ``MEASUREMENT_MEMORY_SECONDS`` is forgotten: priced like the
+    fleet's typical link (``typical``) and relearned from its next transfer.
+
     Moving averages follow drift but take many transfers to leave a link's old speed
     behind, and each transfer planned on the stale estimate is one that hurts (a link
     that became 100x slower still looked fast after five slow transfers). So when
@@ -186,16 +200,25 @@ class LinkCalibrator:
         self.smoothing = smoothing
         self._moments: dict[tuple[str, str], _LinkMoments] = {}
         self._surprises: dict[tuple[str, str], int] = {}
+        self._observed_at: dict[tuple[str, str], float | None] = {}
 
-    def observe(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
+    def observe(self, source: str, destination: str, num_bytes: int, seconds: float,
+                now: float | None = None) -> None:
+        """One transfer's time; remembered until the memory after ``now`` (for good without it)."""
         if num_bytes <= 0 or seconds <= 0:
             return
         link = (source, destination)
         moments = self._moments.get(link)
-        if moments is None or self._link_changed(link, moments, num_bytes, seconds):
+        if moments is None or not self._remembered(link, now) or self._link_changed(link, moments, num_bytes, seconds):
             self._moments[link] = _LinkMoments(float(num_bytes), seconds)
+            self._surprises[link] = 0
         else:
             moments.update(float(num_bytes), seconds, self.smoothing)
+        self._observed_at[link] = now
+
+    def _remembered(self, link: tuple[str, str], now: float | None) -> bool:
+        observed_at = self._observed_at.get(link)
+        return now is None or observed_at is None or observed_at >= now - MEASUREMENT_MEMORY_SECONDS
 
     def _link_changed(self, link: tuple[str, str], moments: _LinkMoments, num_bytes: int, seconds: float) -> bool:
         predicted = transfer_seconds(num_bytes, link_estimate(moments, self.prior))
@@ -210,26 +233,42 @@ class LinkCalibrator:
         moments = self._moments.get((source, destination))
         return self.prior if moments is None else link_estimate(moments, self.prior)
 
-    def estimates(self) -> dict[tuple[str, str], LinkEstimate]:
-        return {link: link_estimate(moments, self.prior) for link, moments in sorted(self._moments.items())}
+    def estimates(self, now: float | None = None) -> dict[tuple[str, str], LinkEstimate]:
+        """Every link measured within the memory of ``now`` (every link without ``now``)."""
+        return {link: link_estimate(moments, self.prior) for link, moments in sorted(self._moments.items())
+                if self._remembered(link, now)}
+
+    def typical(self, now: float | None = None) -> LinkEstimate:
+        """The median bandwidth and latency over the links measured within the memory, else
+        the prior: what a link without an estimate of its own is priced at. Links of one
+        deployment run over the same kind of network far more often than not."""
+        estimates = list(self.estimates(now).values())
+        if not estimates:
+            return self.prior
+        return LinkEstimate(float(np.median([e.bandwidth_bytes_per_second for e in estimates])),
+                            float(np.median([e.latency_seconds for e in estimates])))
 
 
-def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator) -> CostModel:
+def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator,
+                     now: float | None = None) -> CostModel:
     """A new frozen model: ``base`` with every fitted class and observed link replaced, the
-    pooled fit (when there is one) for classes without their own, and each worker's speed
-    against the coefficients of that model."""
+    pooled fit (when there is one) for classes without their own, each worker's speed
+    against the coefficients of that model, and the typical link for links without an
+    estimate. With ``now``, measurements past the memory are left out."""
     model = replace(base, prefill=prefill.pooled() or base.prefill,
                     prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
-                    links={**base.links, **links.estimates()})
-    return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for)})
+                    links={**base.links, **links.estimates(now)},
+                    default_link=links.typical(now) if links.estimates(now) else base.default_link)
+    return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for, now)})
 
 
 class Calibration:
     """The two calibrators behind one model; ``calibrated_model()`` snapshots them.
 
-    The snapshot is refit only after new observations, and at most once per
-    ``refit_interval`` of the caller's clock: planning runs on every request's path to
-    its first token, and a least-squares refit per request would sit on that path.
+    The snapshot is refit at most once per ``refit_interval`` of the caller's clock:
+    planning runs on every request's path to its first token, and a least-squares refit
+    per request would sit on that path. Without a clock it is refit only after new
+    observations; with one, also as measurements age past the memory.
     """
 
     def __init__(self, base: CostModel | None = None, refit_interval: float = 1.0):
@@ -242,17 +281,18 @@ class Calibration:
         self._dirty = False
 
     def observe_prefill(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float,
-                        worker_id: str = "") -> None:
-        self.prefill.observe(worker_class, new_tokens, cached_tokens, seconds, worker_id)
+                        worker_id: str = "", now: float | None = None) -> None:
+        self.prefill.observe(worker_class, new_tokens, cached_tokens, seconds, worker_id, now)
         self._dirty = True
 
-    def observe_link(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
-        self.links.observe(source, destination, num_bytes, seconds)
+    def observe_link(self, source: str, destination: str, num_bytes: int, seconds: float,
+                     now: float | None = None) -> None:
+        self.links.observe(source, destination, num_bytes, seconds, now)
         self._dirty = True
 
     def calibrated_model(self, now: float | None = None) -> CostModel:
         due = now is None or self._fitted_at is None or now - self._fitted_at >= self.refit_interval
-        if self._dirty and due:
-            self._model = calibrated_model(self.base, self.prefill, self.links)
+        if (self._dirty or now is not None) and due:
+            self._model = calibrated_model(self.base, self.prefill, self.links, now)
             self._fitted_at, self._dirty = now, False
         return self._model

@@ -9,9 +9,11 @@ bound is free; one past it costs what it costs, so a plan just over the bound st
 beats one that makes the client wait many times longer for its first token (a strict
 "within the bound first" order sent every request of an overloaded cluster to the one
 decode worker, whose LOCAL plans have no gap). Plans within the tie band of the
-cheapest (``PlannerSettings.tie_band``, 10%) are ties, and go to the plan whose
-prefilling worker's cache is emptier, then the cheaper, the smaller gap, the lighter
-load and worker ids: the prompt's blocks stay cached where it is prefilled, so
+cheapest (``PlannerSettings.tie_band``, 10%) are ties, and go to the plan reusing the
+most cached tokens, then to the one whose prefilling worker's cache is emptier, then the
+cheaper, the smaller gap, the lighter load and worker ids. A hit that waits for a busy
+decode worker ties with a cold prefill that waits as long, and the hit computes a
+fraction of it. The prompt's blocks stay cached where it is prefilled, so
 near-equal placements of new prefixes fill the pool's caches evenly instead of evicting
 one worker's other prefixes (which a smaller but noisy link-estimate gap did, and then
 a worker measured 4% faster than one not yet measured: one worker took most new prefixes).
@@ -70,7 +72,14 @@ def rank(plans: list[Plan], views: dict[str, WorkerView], settings: PlannerSetti
     limit = ranking_seconds(ranked[0], settings) * (1 + settings.tie_band)
     tied = [plan for plan in ranked if ranking_seconds(plan, settings) <= limit]
     rest = ranked[len(tied):]  # sorted by cost, so the tied plans are the leading ones
-    return sorted(tied, key=lambda plan: (cache_fill(plan, views), ranking_key(plan, views, settings))) + rest
+    return sorted(tied, key=lambda plan: tie_key(plan, views, settings)) + rest
+
+
+def tie_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> tuple:
+    """Among plans the estimates cannot tell apart: the one computing least (most reused
+    blocks) leaves the most compute to the requests after it; among equal reuse (a new
+    prefix), the emptiest cache; then by cost."""
+    return (-plan.estimate.reused_tokens, cache_fill(plan, views), ranking_key(plan, views, settings))
 
 
 def ranking_seconds(plan: Plan, settings: PlannerSettings) -> float:
@@ -104,11 +113,22 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
         runner_up = ranked[1]
         reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
                    f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s)")
-        if cache_fill(chosen, views) < cache_fill(runner_up, views) and \
-                ranking_seconds(chosen, settings) >= ranking_seconds(runner_up, settings):
-            reason += (f"; within {settings.tie_band:.0%} of the cheapest, so the emptier cache wins "
-                       f"({cache_fill(chosen, views):.0%} full against {cache_fill(runner_up, views):.0%})")
+        reason += tie_reason(chosen, runner_up, views, settings)
     return reason
+
+
+def tie_reason(chosen: Plan, runner_up: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> str:
+    """Why the chosen plan beat a cheaper-or-equal runner-up within the tie band; empty if it did not."""
+    if ranking_seconds(chosen, settings) < ranking_seconds(runner_up, settings):
+        return ""
+    band = f"; within {settings.tie_band:.0%} of the cheapest, so "
+    if chosen.estimate.reused_tokens > runner_up.estimate.reused_tokens:
+        return band + (f"the plan reusing more wins ({chosen.estimate.reused_tokens} cached tokens against "
+                       f"{runner_up.estimate.reused_tokens})")
+    if cache_fill(chosen, views) < cache_fill(runner_up, views):
+        return band + (f"the emptier cache wins ({cache_fill(chosen, views):.0%} full against "
+                       f"{cache_fill(runner_up, views):.0%})")
+    return ""
 
 
 def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> str:

@@ -6,6 +6,8 @@ estimates computed the same way and can be compared side by side.
     LOCAL d:     ttft = queue_wait(d) + prefill(d) + contention(d)   gap = 0   (+ interference on d)
     DISAGG p->d: ttft = queue_wait(p) + prefill(p) + contention(p)   gap = transfer(p->d) + admission(d)
 
+``admission(d)`` includes what is left of d's own queued prefills when the blocks arrive.
+
 ``contention`` is what busy engines on the prefilling worker's CPU cores add.
 """
 
@@ -107,8 +109,9 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
     missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
     contention = cost.contention_seconds(model, prefill_worker, queue_wait + prefill)
+    ttft = queue_wait + prefill + contention
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
-                        ttft=queue_wait + prefill + contention, gap=transfer + cost.admission_seconds(model, decode),
+                        ttft=ttft, gap=transfer + cost.admission_seconds(model, decode, ttft + transfer),
                         reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention)
     problem = (prefill_worker_problem(prefill_worker, settings)
                or decode_worker_problem(decode, request, settings))
