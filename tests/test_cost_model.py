@@ -235,6 +235,29 @@ def test_small_differences_are_never_surprising():
     assert after.bandwidth_bytes_per_second > 1_000_000 / 0.010  # ...not restarted from the last one
 
 
+def test_a_fast_surprise_then_a_slow_one_is_no_row():
+    """Measured: 4.4 MB in 5 ms, then 2.9 MB in 379 ms, on a link moving ~60 MB pulls in
+    0.05-0.25 s. Restarting from the last priced a 50 MB pull at 6.4 s."""
+    calibrator = LinkCalibrator()
+    for size in [59_000_000, 4_400_000, 64_900_000, 2_900_000] * 5:
+        calibrator.observe("p0", "d0", size, 0.04 + size / 600e6)
+    calibrator.observe("p0", "d0", 4_400_000, 0.005)
+    calibrator.observe("p0", "d0", 2_900_000, 0.379)
+    assert cost.transfer_seconds(50_000_000, calibrator.estimate("p0", "d0")) < 0.5
+
+
+def test_small_transfers_never_restart_a_link():
+    calibrator = LinkCalibrator()
+    for size in [59_000_000, 64_900_000] * 5:
+        calibrator.observe("p0", "d0", size, 0.04 + size / 600e6)
+    for _ in range(2):
+        calibrator.observe("p0", "d0", 2_900_000, 0.4)  # over 3x slower, twice, but small
+    assert cost.transfer_seconds(50_000_000, calibrator.estimate("p0", "d0")) < 0.5
+    for _ in range(2):
+        calibrator.observe("p0", "d0", 60_000_000, 6.0)  # large and slow, twice: changed
+    assert cost.transfer_seconds(60_000_000, calibrator.estimate("p0", "d0")) == pytest.approx(6.0, rel=0.05)
+
+
 def test_same_size_transfers_keep_the_prior_latency_and_solve_for_bandwidth():
     calibrator = LinkCalibrator()
     for _ in range(10):
@@ -340,14 +363,14 @@ MEMORY = MEASUREMENT_MEMORY_SECONDS
 
 
 def test_a_link_not_used_for_the_memory_is_priced_like_the_fleets_typical_link():
-    """Two transfers that overlapped priced one link at 7 MB/s; unused, it was never
+    """A link priced at 7 MB/s (others run at 500 MB/s) is not chosen, so never
     corrected. Past the memory it is priced like the links in use, and its next
     transfer relearns it from scratch."""
     calibration = Calibration()
     for second in range(0, 200, 10):
         calibration.observe_link("p0", "d0", 60_000_000, 0.001 + 60_000_000 / 500e6, now=second)
     calibration.observe_link("p1", "d0", 59_000_000, 0.001 + 59_000_000 / 500e6, now=90.0)
-    for num_bytes, seconds in [(63_000_000, 0.45), (2_950_000, 0.41)]:  # two surprises: restarted slow
+    for num_bytes, seconds in [(63_000_000, 0.45), (60_000_000, 8.5)]:  # two slow surprises: restarted slow
         calibration.observe_link("p1", "d0", num_bytes, seconds, now=100.0)
     assert calibration.calibrated_model(now=101.0).link("p1", "d0").bandwidth_bytes_per_second < 10e6
     later = calibration.calibrated_model(now=100.0 + MEMORY + 1)
