@@ -41,10 +41,10 @@ class Feedback:
             logger.info("request %s expected %d tokens on %s (%d claimed), engine reused %d",
                         record.request_id, record.predicted_reused_tokens, prefilling,
                         record.predicted_reused_tokens - record.predicted_stored_tokens, record.actual.reused_tokens)
-        actual = record.actual
+        actual, now = record.actual, time.monotonic()
         if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
             self.calibration.observe_link(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
-                                           actual.transfer_seconds, now=time.monotonic())
+                                           actual.transfer_seconds, now=now)
             self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
                                           actual.transfer_seconds)
         shared_cores = plan.estimate is not None and plan.estimate.contention > 0
@@ -52,4 +52,4 @@ class Feedback:
             role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
             new_tokens = record.prompt_tokens - actual.reused_tokens
             self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling,
-                                             now=time.monotonic())
+                                             now=now)

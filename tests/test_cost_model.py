@@ -415,3 +415,13 @@ def test_without_a_clock_measurements_are_never_forgotten():
     model = calibration.calibrated_model(now=1e9)
     assert model.link("p0", "d0").bandwidth_bytes_per_second == pytest.approx(1e9)
     assert model.prefill_speed["slow"] / model.prefill_speed["steady"] == pytest.approx(2.0)
+
+
+def test_the_snapshot_is_refit_only_when_something_new_or_something_forgotten():
+    """Planning asks for the model on every request; a refit there costs a least-squares fit."""
+    calibration = Calibration()
+    calibration.observe_link("p0", "d0", 10_000_000, 0.011, now=0.0)
+    first = calibration.calibrated_model(now=1.0)
+    assert calibration.calibrated_model(now=MEMORY - 1) is first
+    forgotten = calibration.calibrated_model(now=MEMORY + 1)
+    assert forgotten is not first and forgotten.links == {}

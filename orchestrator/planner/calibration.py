@@ -8,7 +8,8 @@ calls ``observe``; planners only ever see the frozen ``CostModel`` that
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass, replace
 
 import numpy as np
@@ -33,6 +34,18 @@ WORKER_SPEED_MIN_POINTS = 4
 MEASUREMENT_MEMORY_SECONDS = 60.0
 # Below this spread of transfer sizes (relative) the sizes cannot separate latency from bandwidth.
 MIN_RELATIVE_SIZE_SPREAD = 0.05
+
+
+def remembered(observed_at: float | None, now: float | None) -> bool:
+    """Whether a measurement taken at ``observed_at`` still counts at ``now``; one without
+    either time always does."""
+    return now is None or observed_at is None or observed_at >= now - MEASUREMENT_MEMORY_SECONDS
+
+
+def next_expiry(stamps: Iterable[float | None], now: float) -> float:
+    """When the first of the measurements still remembered at ``now`` is forgotten."""
+    return min((at + MEASUREMENT_MEMORY_SECONDS for at in stamps
+                if at is not None and at + MEASUREMENT_MEMORY_SECONDS > now), default=math.inf)
 
 
 def prefill_features(points: np.ndarray) -> np.ndarray:
@@ -92,13 +105,17 @@ class PrefillCalibrator:
         and the others below. With ``now``, prefills older than the memory no longer count,
         and a worker without enough newer ones is priced like its class."""
         speeds = {}
-        oldest = -float("inf") if now is None else now - MEASUREMENT_MEMORY_SECONDS
         for worker_id, points in sorted(self._by_worker.items()):
             ratios = [seconds / predicted for worker_class, new, cached, seconds, at in points
-                      if (at is None or at >= oldest) and (predicted := prefill_seconds_with(coefficients(worker_class), new, cached)) > 0]
+                      if remembered(at, now)
+                      and (predicted := prefill_seconds_with(coefficients(worker_class), new, cached)) > 0]
             if len(ratios) >= WORKER_SPEED_MIN_POINTS:
                 speeds[worker_id] = float(np.median(ratios))
         return speeds
+
+    def next_expiry(self, now: float) -> float:
+        """When the first worker-speed point remembered at ``now`` is forgotten."""
+        return next_expiry((point[-1] for points in self._by_worker.values() for point in points), now)
 
     def coefficients(self, worker_class: str) -> PrefillCoefficients:
         """The fit for ``worker_class``; with too few points for one, the defaults scaled to
@@ -215,30 +232,37 @@ class LinkCalibrator:
             return
         link = (source, destination)
         moments = self._moments.get(link)
-        if moments is None or not self._remembered(link, now) or self._link_changed(link, moments, num_bytes, seconds):
+        if moments is None or not remembered(self._observed_at.get(link), now) or \
+                self._link_changed(link, moments, num_bytes, seconds):
             self._moments[link] = _LinkMoments(float(num_bytes), seconds)
             self._surprises[link] = 0
         else:
             moments.update(float(num_bytes), seconds, self.smoothing)
         self._observed_at[link] = now
 
-    def _remembered(self, link: tuple[str, str], now: float | None) -> bool:
-        observed_at = self._observed_at.get(link)
-        return now is None or observed_at is None or observed_at >= now - MEASUREMENT_MEMORY_SECONDS
+    def next_expiry(self, now: float) -> float:
+        """When the first link remembered at ``now`` is forgotten."""
+        return next_expiry(self._observed_at.values(), now)
 
     def _link_changed(self, link: tuple[str, str], moments: _LinkMoments, num_bytes: int, seconds: float) -> bool:
         """Counts surprises in a row, slower ones up and faster ones down: a slow one after
         a fast one starts a new row."""
-        predicted = transfer_seconds(num_bytes, link_estimate(moments, self.prior))
-        surprise = 0
-        if num_bytes >= self.SURPRISE_MIN_SHARE * moments.mean_bytes and \
-                abs(seconds - predicted) > self.SURPRISE_MIN_SECONDS:
-            surprise = 1 if seconds > predicted * self.SURPRISE_FACTOR else -1 if seconds < predicted / self.SURPRISE_FACTOR else 0
+        surprise = self._surprise(moments, num_bytes, seconds)
         row = self._surprises.get(link, 0)
         row = row + surprise if surprise and row * surprise >= 0 else surprise
         changed = abs(row) >= self.SURPRISES_TO_RESTART
         self._surprises[link] = 0 if changed else row
         return changed
+
+    def _surprise(self, moments: _LinkMoments, num_bytes: int, seconds: float) -> int:
+        """+1 for a transfer surprisingly slower than estimated, -1 for one surprisingly faster, else 0."""
+        predicted = transfer_seconds(num_bytes, link_estimate(moments, self.prior))
+        if num_bytes < self.SURPRISE_MIN_SHARE * moments.mean_bytes or \
+                abs(seconds - predicted) <= self.SURPRISE_MIN_SECONDS:
+            return 0
+        if seconds > predicted * self.SURPRISE_FACTOR:
+            return 1
+        return -1 if seconds < predicted / self.SURPRISE_FACTOR else 0
 
     def estimate(self, source: str, destination: str) -> LinkEstimate:
         moments = self._moments.get((source, destination))
@@ -247,17 +271,22 @@ class LinkCalibrator:
     def estimates(self, now: float | None = None) -> dict[tuple[str, str], LinkEstimate]:
         """Every link measured within the memory of ``now`` (every link without ``now``)."""
         return {link: link_estimate(moments, self.prior) for link, moments in sorted(self._moments.items())
-                if self._remembered(link, now)}
+                if remembered(self._observed_at.get(link), now)}
 
     def typical(self, now: float | None = None) -> LinkEstimate:
-        """The median bandwidth and latency over the links measured within the memory, else
-        the prior: what a link without an estimate of its own is priced at. Links of one
-        deployment run over the same kind of network far more often than not."""
-        estimates = list(self.estimates(now).values())
-        if not estimates:
-            return self.prior
-        return LinkEstimate(float(np.median([e.bandwidth_bytes_per_second for e in estimates])),
-                            float(np.median([e.latency_seconds for e in estimates])))
+        """``typical_link`` of the links measured within the memory, else the prior."""
+        return typical_link(self.estimates(now).values(), self.prior)
+
+
+def typical_link(estimates: Iterable[LinkEstimate], fallback: LinkEstimate) -> LinkEstimate:
+    """The median bandwidth and latency of ``estimates`` (``fallback`` without any): what a
+    link without an estimate of its own is priced at. Links of one deployment run over the
+    same kind of network far more often than not."""
+    estimates = list(estimates)
+    if not estimates:
+        return fallback
+    return LinkEstimate(float(np.median([e.bandwidth_bytes_per_second for e in estimates])),
+                        float(np.median([e.latency_seconds for e in estimates])))
 
 
 def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator,
@@ -266,10 +295,11 @@ def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCal
     pooled fit (when there is one) for classes without their own, each worker's speed
     against the coefficients of that model, and the typical link for links without an
     estimate. With ``now``, measurements past the memory are left out."""
+    remembered_links = links.estimates(now)
     model = replace(base, prefill=prefill.pooled() or base.prefill,
                     prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
-                    links={**base.links, **links.estimates(now)},
-                    default_link=links.typical(now) if links.estimates(now) else base.default_link)
+                    links={**base.links, **remembered_links},
+                    default_link=typical_link(remembered_links.values(), base.default_link))
     return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for, now)})
 
 
@@ -278,8 +308,8 @@ class Calibration:
 
     The snapshot is refit at most once per ``refit_interval`` of the caller's clock:
     planning runs on every request's path to its first token, and a least-squares refit
-    per request would sit on that path. Without a clock it is refit only after new
-    observations; with one, also as measurements age past the memory.
+    per request would sit on that path. It is refit only after new observations, or
+    with a clock, once a measurement it used ages past the memory.
     """
 
     def __init__(self, base: CostModel | None = None, refit_interval: float = 1.0):
@@ -289,6 +319,7 @@ class Calibration:
         self.refit_interval = refit_interval
         self._model = self.base
         self._fitted_at: float | None = None
+        self._expires_at = math.inf  # when a measurement in the snapshot is forgotten
         self._dirty = False
 
     def observe_prefill(self, worker_class: str, new_tokens: int, cached_tokens: int, seconds: float,
@@ -303,7 +334,10 @@ class Calibration:
 
     def calibrated_model(self, now: float | None = None) -> CostModel:
         due = now is None or self._fitted_at is None or now - self._fitted_at >= self.refit_interval
-        if (self._dirty or now is not None) and due:
+        expired = now is not None and now >= self._expires_at
+        if (self._dirty or expired) and due:
             self._model = calibrated_model(self.base, self.prefill, self.links, now)
             self._fitted_at, self._dirty = now, False
+            self._expires_at = math.inf if now is None else min(self.prefill.next_expiry(now),
+                                                                self.links.next_expiry(now))
         return self._model

@@ -167,8 +167,9 @@ def admission_seconds(model: CostModel, decode_worker: WorkerView, arrives_after
     """A pulled request joins the decode batch at the next step, behind those waiting. A
     decode worker prefilling prompts of its own (LOCAL plans) steps only when a prefill
     step ends, so what is left of that work ``arrives_after`` seconds from now delays the
-    second token too (its prompt tokens; the steps for waiting requests are counted apart). Measured in a real replay: gaps of 1.8-4.6 s behind LOCAL
-    prefills, where 0.06-0.23 s was estimated without this term."""
+    second token too (its prompt tokens; the steps for waiting requests are counted
+    apart). Measured in a real replay: gaps of 1.8-4.6 s behind LOCAL prefills, where
+    0.06-0.23 s was estimated without this term."""
     still_prefilling = max(0.0, queued_prompt_seconds(model, decode_worker) - arrives_after)
     return model.decode_step_seconds * (1 + decode_worker.num_waiting) + still_prefilling
 
