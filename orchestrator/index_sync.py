@@ -6,6 +6,10 @@ Per live worker incarnation, one task::
         ─▶ apply events with seq > S, in order
         ─▶ a gap in the sequence numbers (events lost) ─▶ reload the snapshot
 
+The worker builds its snapshot from the same event stream, read by its own subscriber,
+which may be behind ours: a snapshot older than an event we have already seen would
+miss that event's blocks, so it is asked for again until it has caught up.
+
 The worker going down or restarting cancels the task and purges its entries, so no
 request is ever planned against a cache that is gone.
 """
@@ -25,6 +29,12 @@ from orchestrator.worker_client import WorkerClient, WorkerError
 
 logger = logging.getLogger("kvroute.orchestrator.index_sync")
 
+STALE_SNAPSHOT_RETRY_SECONDS = 0.05
+# How long a snapshot may stay behind the events seen before it is taken as it is (the
+# next event then reveals the gap again). The worker's subscriber lags by milliseconds
+# unless its process is starved.
+STALE_SNAPSHOT_PATIENCE_SECONDS = 5.0
+
 KV_EVENTS_TOPIC = b"kv-events"
 
 
@@ -41,6 +51,7 @@ class WorkerIndexSync:
         self.worker = worker
         self.client = client
         self.last_seq = -1
+        self.seen_seq = -1  # the highest sequence number received, applied or not
         self.resyncs = 0
         self.gaps = 0
         self._resyncing = False
@@ -73,18 +84,32 @@ class WorkerIndexSync:
             self._resyncing = False
 
     async def _load_snapshot(self) -> None:
+        give_up_waiting = None
         while True:
-            try:
-                snapshot = await self.client.snapshot()
+            snapshot = await self._fetch_snapshot()
+            if snapshot.seq >= self.seen_seq:
                 break
-            except WorkerError as error:
-                logger.warning("snapshot of %s failed (%s); retrying", self.worker.worker_id, error)
-                await asyncio.sleep(1.0)
+            now = asyncio.get_running_loop().time()
+            give_up_waiting = give_up_waiting or now + STALE_SNAPSHOT_PATIENCE_SECONDS
+            if now >= give_up_waiting:
+                logger.warning("snapshot of %s is still at seq %d after %.0f s, behind event %d; "
+                               "loading it anyway", self.worker.worker_id, snapshot.seq,
+                               STALE_SNAPSHOT_PATIENCE_SECONDS, self.seen_seq)
+                break
+            await asyncio.sleep(STALE_SNAPSHOT_RETRY_SECONDS)
         self.index.load_snapshot(self.worker.worker_id, self.worker.incarnation, snapshot_records(snapshot))
         self.last_seq = snapshot.seq
         self.resyncs += 1
         logger.info("index of %s loaded from snapshot at seq %d (%d blocks)", self.worker.worker_id,
                     snapshot.seq, self.index.num_blocks(self.worker.worker_id))
+
+    async def _fetch_snapshot(self) -> wire.KVSnapshot:
+        while True:
+            try:
+                return await self.client.snapshot()
+            except WorkerError as error:
+                logger.warning("snapshot of %s failed (%s); retrying", self.worker.worker_id, error)
+                await asyncio.sleep(1.0)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -92,6 +117,7 @@ class WorkerIndexSync:
         except kv_events.KVEventDecodeError as error:
             logger.warning("undecodable KV event from %s: %s", self.worker.worker_id, error)
             return
+        self.seen_seq = max(self.seen_seq, seq)
         if seq <= self.last_seq:
             return  # already in the snapshot
         if seq != self.last_seq + 1:

@@ -181,16 +181,56 @@ async def test_a_gap_triggers_a_resync_from_a_new_snapshot(engine):
         assert match(index, g, S) == 3 and match(index, d, S) == 0
         assert (sync.gaps, sync.resyncs) == (1, 2)
 
-        # A second gap, and a snapshot that is itself behind: resync again, then again.
-        client.next = snapshot_of(9, (e, d, S))
+        # A second gap: the snapshot, already past the event that revealed it, replaces all.
+        client.next = snapshot_of(12, (e, d, S))
         await engine.publish(11, e.store(f, S))
         await until(lambda: sync.resyncs == 3, what="second resync")
-        assert sync.last_seq == 9 and match(index, d, S) == 3 and match(index, g, S) == 0
-        client.next = snapshot_of(12, (e, f, S))
-        await engine.publish(12, e.store(a, S))  # seq 10, 11 missing relative to snapshot 9
-        await until(lambda: sync.resyncs == 4, what="third resync")
-        assert sync.gaps == 3
-        assert sync.last_seq == 12 and match(index, f, S) == 3 and match(index, d, S) == 0
+        assert sync.last_seq == 12 and match(index, d, S) == 3 and match(index, g, S) == 0
+        await engine.publish(12, e.store(a, S))  # in the snapshot already: skipped
+        await engine.publish(13, e.store(f, S))
+        await until(lambda: sync.last_seq == 13, what="seq 13 applied")
+        assert sync.gaps == 2
+        assert match(index, f, S) == 3 and match(index, a, S) == 0
+    finally:
+        await stopped(task)
+
+
+async def test_a_snapshot_behind_the_event_that_revealed_a_gap_is_asked_for_again(engine, monkeypatch):
+    """The worker's own subscriber may not yet have applied the events we saw: its
+    snapshot would lack their blocks, and no later event might come to reveal that."""
+    monkeypatch.setattr("orchestrator.index_sync.STALE_SNAPSHOT_RETRY_SECONDS", 0.01)
+    e = FakeEngine(4, int_hashes=True)
+    a, b = tokens(3, 40), tokens(3, 41)
+    index = PrefixIndex()
+    client = FakeClient(snapshot_of(-1))
+    sync, task = await started(engine, index, client)
+    try:
+        await engine.publish(2, e.store(a, S))  # events 0 and 1 went out before we subscribed
+        await until(lambda: client.calls >= 4, what="the stale snapshot asked for again")
+        assert sync.resyncs == 1 and match(index, a, S) == 0  # nothing loaded from a stale snapshot
+
+        client.next = snapshot_of(2, (e, b, S), (e, a, S))  # the worker caught up
+        await until(lambda: sync.resyncs == 2, what="resync from the caught-up snapshot")
+        assert sync.last_seq == 2 and sync.gaps == 1
+        assert match(index, a, S) == 3 and match(index, b, S) == 3
+    finally:
+        await stopped(task)
+
+
+async def test_a_snapshot_that_never_catches_up_is_loaded_after_a_while(engine, monkeypatch):
+    monkeypatch.setattr("orchestrator.index_sync.STALE_SNAPSHOT_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr("orchestrator.index_sync.STALE_SNAPSHOT_PATIENCE_SECONDS", 0.2)
+    e = FakeEngine(5, int_hashes=True)
+    a = tokens(3, 50)
+    index = PrefixIndex()
+    client = FakeClient(snapshot_of(-1))
+    sync, task = await started(engine, index, client)
+    try:
+        client.next = snapshot_of(0, (e, a, S))
+        await engine.publish(3, e.store(a, S))
+        await until(lambda: sync.resyncs == 2, what="the stale snapshot loaded anyway")
+        assert sync.last_seq == 0 and match(index, a, S) == 3
+        assert client.calls > 2
     finally:
         await stopped(task)
 
@@ -272,6 +312,7 @@ async def test_index_sync_starts_and_stops_per_worker(engine):
     assert await engine.subscription() == b"\x01" + KV_EVENTS_TOPIC
     await until(lambda: syncs.stats(WORKER) == (1, 0), what="first snapshot")
     assert match(index, toks, S) == 3
+    client.next = snapshot_of(2, (e, toks, S))
     await engine.publish(2, e.store(tokens(1, 61), S))  # gap
     await until(lambda: syncs.stats(WORKER) == (2, 1), what="resync")
 
