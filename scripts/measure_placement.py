@@ -87,6 +87,7 @@ from kvroute.bench.workloads import (RepositoryAssistantConfig, estimate_prefix_
                                      tokenizer_counter)
 from kvroute.netutil import free_port  # noqa: E402
 from kvroute.worker.dtype import resolve_here  # noqa: E402
+from kvroute.worker.settings import default_long_prefill_tokens  # noqa: E402
 
 console = Console(width=170)  # the table is wide; also when the output goes to a file
 
@@ -411,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "aborted": aborted,
         "workload": {"config": asdict(config), "prefix_tokens": prefix_tokens, "working_set_tokens": working_set,
                      "longest_prompt_tokens": longest_prompt, "requests_per_repository": dict(sorted(popularity.items())),
-                     "kv_cache_tokens_per_worker": per_worker_tokens},
+                     "kv_cache_tokens_per_worker": per_worker_tokens,
+                     "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")}},
         "workers": names,
         "summaries": summaries,
         "ratios": ratios(summaries),

@@ -62,6 +62,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # vLLM's ``long_prefill_token_threshold``: most prompt tokens one request computes per
+    # step while another request is running or waiting (alone, it takes the whole budget); 0: no cap.
+    long_prefill_tokens: int = 0
     # Schedule identical decode-only steps as one run (see the module docstring). The
     # state at every step boundary is the same either way; False steps one by one.
     decode_runs: bool = True
@@ -75,6 +78,8 @@ class EngineConfig:
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must not be negative")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (vLLM requires it: every "
                              "running sequence needs a token of each step's budget)")
@@ -141,18 +146,19 @@ class Engine:
 
     def _schedule(self) -> Admission:
         step = Admission()
-        budget = self._schedule_running(step, self.config.max_num_batched_tokens)
+        cap = self.config.long_prefill_tokens if len(self.running) + len(self.waiting) > 1 else 0
+        budget = self._schedule_running(step, self.config.max_num_batched_tokens, cap)
         if not step.preempted:
-            self._schedule_waiting(step, budget)
+            self._schedule_waiting(step, budget, cap)
         if step.decodes_only and self.config.decode_runs:
             step.repeat = self._decode_run_length(step)
         return step
 
-    def _schedule_running(self, step: Admission, budget: int) -> int:
+    def _schedule_running(self, step: Admission, budget: int, cap: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            new = min(request.num_tokens - request.num_computed, budget)
+            new = capped(min(request.num_tokens - request.num_computed, budget), cap)
             if self._grow(request, request.num_computed + new, step):
                 self._register_full_blocks(request, request.num_computed + new)
                 step.work.append((request, new))
@@ -173,7 +179,7 @@ class Engine:
         self._allocate(request, needed)
         return True
 
-    def _schedule_waiting(self, step: Admission, budget: int) -> None:
+    def _schedule_waiting(self, step: Admission, budget: int, cap: int) -> None:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -186,7 +192,7 @@ class Engine:
                     return
                 continue
             else:
-                new = self._start_prefill(request, budget)
+                new = self._start_prefill(request, budget, cap)
                 if new is None:
                     return
             self.waiting.remove(request)
@@ -196,12 +202,12 @@ class Engine:
             step.admitted.append(request)
             budget -= new
 
-    def _start_prefill(self, request: EngineRequest, budget: int) -> int | None:
+    def _start_prefill(self, request: EngineRequest, budget: int, cap: int) -> int | None:
         """Take the cached prefix and blocks for a first chunk; its tokens, or None when
         the pool cannot hold it."""
         size = self.config.block_size
         hit_keys = self._hit(request)
-        new = min(request.num_tokens - len(hit_keys) * size, budget)
+        new = capped(min(request.num_tokens - len(hit_keys) * size, budget), cap)
         if not self._take_blocks(request, hit_keys, ceil_div(len(hit_keys) * size + new, size) - len(hit_keys)):
             return None
         self._register_full_blocks(request, request.num_computed + new)
@@ -344,3 +350,8 @@ class Engine:
     def _release(self, request: EngineRequest) -> None:
         self.pool.release(request.blocks)
         request.blocks = []
+
+
+def capped(tokens: int, cap: int) -> int:
+    """``tokens`` limited to ``cap`` when a cap applies (``cap`` > 0)."""
+    return min(tokens, cap) if cap > 0 else tokens

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from simulator.engine import EngineConfig
 from simulator.simulate import SimulationSettings
 
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU, when the records do not say
+# The workers' per-request step caps (``kvroute.worker.settings``) in replays that did not
+# record them: decode workers capped prompts at 256 tokens, prefill workers did not.
+CAPS_BEFORE_THEY_WERE_RECORDED = {"prefill": 0, "decode": 256}
 MIN_PREFILLS, MIN_GAPS, MIN_PULLS = 8, 8, 2  # fewer points than these leave a field at its default
 _LABEL = re.compile(r"^(prefill|decode)@(\d+(?:,\d+)*)")
 _FAILED_PULL = re.compile(r"pull for request ([0-9a-f]+)-[0-9a-f]+ failed")
@@ -72,10 +75,14 @@ class ReplayCluster:
     engine: EngineConfig
     cpu: CpuSettings
     worker_ids: tuple[str, ...]  # the real ids in simulated fleet order (prefills, then decodes)
+    long_prefill_tokens: Mapping[str, int] = field(default_factory=dict)  # role -> the workers' per-request step cap
 
     def settings(self, **changes) -> SimulationSettings:
-        return replace(SimulationSettings(prefill_engine=self.engine, decode_engine=self.engine, cpu=self.cpu,
-                                          stats_at_step_end=True), **changes)
+        return replace(SimulationSettings(prefill_engine=self.engine_of("prefill"), decode_engine=self.engine_of("decode"),
+                                          cpu=self.cpu, stats_at_step_end=True), **changes)
+
+    def engine_of(self, role: str) -> EngineConfig:
+        return replace(self.engine, long_prefill_tokens=self.long_prefill_tokens.get(role, 0))
 
 
 # ---------------------------------------------------------------- reading
@@ -137,7 +144,8 @@ def cluster_from_replay(results: dict, decisions: Sequence[dict] = ()) -> Replay
         cpu = CpuSettings(cores=cpus, core_sets=tuple(cores[w] for w in ordered))
     else:
         cpu = CpuSettings(cores=cpus)  # the launcher's rule: engine i on core i % cpus
-    return ReplayCluster(len(roles["prefill"]), len(roles["decode"]), engine, cpu, ordered)
+    caps = results["workload"].get("long_prefill_tokens", CAPS_BEFORE_THEY_WERE_RECORDED)
+    return ReplayCluster(len(roles["prefill"]), len(roles["decode"]), engine, cpu, ordered, dict(caps))
 
 
 # ---------------------------------------------------------------- who was busy when

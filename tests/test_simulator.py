@@ -139,6 +139,20 @@ def test_a_request_admitted_in_the_same_step_hits_the_blocks_scheduled_before_it
     assert (first.cached_tokens, second.cached_tokens) == (0, 96)
 
 
+def test_a_prompt_is_capped_per_step_only_while_another_request_runs_or_waits():
+    """vLLM's ``long_prefill_token_threshold``: alone, a prompt takes the whole budget."""
+    engine = Engine(EngineConfig(num_blocks=256, block_size=BLOCK, long_prefill_tokens=64))
+    engine.submit(engine_request("alone", tokens(1, 300)))
+    assert [(r.request_id, new) for r, new in engine.schedule().work] == [("alone", 300)]
+    run_engine(engine)
+    engine.submit(engine_request("cold", tokens(2, 300)))
+    engine.submit(engine_request("hit", tokens(1, 300)[:288] + tokens(3, 20)))
+    step = engine.schedule()  # the hit recomputes 20 tokens beside a capped share of the cold prompt
+    assert [(r.request_id, new) for r, new in step.work] == [("cold", 64), ("hit", 20)]
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        EngineConfig(long_prefill_tokens=-1)
+
+
 def test_a_request_queued_behind_a_chunked_prefill_hits_every_chunk_scheduled_so_far():
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8))
     prompt = tokens(1, 600)

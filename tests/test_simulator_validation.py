@@ -248,6 +248,11 @@ def test_the_cluster_and_its_core_binding_come_from_the_labels(replay):
     assert (cluster.engine.num_blocks, cluster.engine.block_size) == (54, 128)  # 6,912 tokens, as vLLM rounds
     settings = cluster.settings()
     assert settings.stats_at_step_end and settings.prefill_engine.hold_sent_blocks
+    # a replay that did not record its workers' step caps ran with the caps of that time
+    assert (settings.prefill_engine.long_prefill_tokens, settings.decode_engine.long_prefill_tokens) == (0, 256)
+    recorded = {**replay, "workload": {**replay["workload"], "long_prefill_tokens": {"prefill": 128, "decode": 64}}}
+    settings = cluster_from_replay(recorded, decisions).settings()
+    assert (settings.prefill_engine.long_prefill_tokens, settings.decode_engine.long_prefill_tokens) == (128, 64)
     log = "pull for request abc-0123abcd failed (producer refused the pull: unknown or expired handle); recomputing"
     assert failed_pulls(replay, decisions, [log]) == {"p": frozenset({3})}
 

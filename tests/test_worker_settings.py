@@ -6,12 +6,12 @@ import pytest
 
 from kvroute.worker.cli_args import add_worker_arguments, settings_from_args
 from kvroute.worker.engine import engine_args
-from kvroute.worker.settings import DECODE_LONG_PREFILL_TOKENS, WorkerSettings
+from kvroute.worker.settings import DECODE_LONG_PREFILL_TOKENS, PREFILL_LONG_PREFILL_TOKENS, WorkerSettings
 
 
 @pytest.mark.parametrize("role, explicit, expected", [
     ("decode", None, DECODE_LONG_PREFILL_TOKENS),  # a local prefill must not hold pulls and streams
-    ("prefill", None, 0),  # prefill workers keep whole-prompt steps
+    ("prefill", None, PREFILL_LONG_PREFILL_TOKENS),  # a hit must not share one step with a whole cold prompt
     ("decode", 0, 0),
     ("prefill", 512, 512),
 ])
