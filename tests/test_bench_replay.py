@@ -54,6 +54,7 @@ def check_results(output, requests: int) -> dict:
         assert summary["e2e_p99_s"] >= summary["e2e_p50_s"] > 0
         assert summary["hit_rate"] is not None and summary["missing_decision_records"] == 0
         assert summary["wrong_policy_records"] == 0
+        assert not any(summary["cache_reset"]["index_blocks_at_start"].values())  # every policy starts cold
     rows = results["requests"]
     assert len(rows) == 2 * requests
     assert all(row["error"] is None and row["status"] == 200 for row in rows)

@@ -12,7 +12,8 @@ Cache reset, per policy::
     one tiny request per prefill worker: an idle vLLM engine publishes the reset
         (AllBlocksCleared) only at its next step, and until then the index, reloaded
         from the worker's snapshot, still lists the old blocks; a prompt shorter than
-        one block stores nothing
+        one block stores nothing (a raw completion: a chat template alone fills a
+        32-token block)
     wait until the index lists no block
 """
 
@@ -29,7 +30,7 @@ RESET_ATTEMPTS = 5
 RESET_RETRY_S = 5
 IDLE_TIMEOUT_S = 120
 INDEX_EMPTY_TIMEOUT_S = 30
-TINY_PROMPT = [{"role": "user", "content": "Say hello."}]
+TINY_PROMPT = "Hi"
 
 Warn = Callable[[str], None]
 
@@ -135,9 +136,9 @@ class ReplayServer:
 
     def _step_every_engine(self, model: str) -> None:
         prefill_workers = sum(w["role"] == "prefill" for w in self.workers())
-        body = {"model": model, "messages": TINY_PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        body = {"model": model, "prompt": TINY_PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
         for _ in range(prefill_workers):  # round robin: each prefill worker gets one
-            self._request("POST", "/v1/chat/completions", json=body,
+            self._request("POST", "/v1/completions", json=body,
                           headers={POLICY_HEADER: "round_robin"}).raise_for_status()
 
     def _wait_index_empty(self, timeout_s: float, warn: Warn) -> dict[str, int]:
