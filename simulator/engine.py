@@ -180,6 +180,12 @@ class Engine:
         return True
 
     def _schedule_waiting(self, step: Admission, budget: int, cap: int) -> None:
+        """In queue order, until a request finds no blocks. Requests whose pulled KV has
+        landed still go then: they hold their blocks already, and vLLM puts the requests
+        it skipped while their KV was loading back at the head of its queue. (Waiting
+        behind a prompt that cannot fit, with nothing running to free blocks, they would
+        never run.)"""
+        out_of_blocks = False
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -187,14 +193,16 @@ class Engine:
                 continue  # vLLM skips requests waiting for remote KV
             if request.state is RequestState.READY:
                 new = 1  # blocks were allocated for the prompt and the prefill worker's token
+            elif out_of_blocks:
+                continue
             elif request.remote:
-                if not self._start_pull(request, step):
-                    return
+                out_of_blocks = not self._start_pull(request, step)
                 continue
             else:
                 new = self._start_prefill(request, budget, cap)
                 if new is None:
-                    return
+                    out_of_blocks = True
+                    continue
             self.waiting.remove(request)
             request.state = RequestState.RUNNING
             self.running.append(request)

@@ -153,6 +153,22 @@ def test_a_prompt_is_capped_per_step_only_while_another_request_runs_or_waits():
         EngineConfig(long_prefill_tokens=-1)
 
 
+def test_a_request_whose_pulled_kv_landed_runs_even_behind_a_prompt_that_finds_no_blocks():
+    """Nothing runs to free blocks: had the pulled request waited for the prompt ahead of it,
+    neither would ever run (a 1,000-worker simulation ended with 31 requests stuck so)."""
+    engine = Engine(EngineConfig(num_blocks=10, block_size=BLOCK))
+    pulled = engine_request("pulled", tokens(1, 64), max_tokens=2, remote=True)
+    engine.submit(pulled)
+    assert engine.schedule().pulls  # its blocks are taken for the pull
+    engine.pull_done(pulled)
+    too_big = engine_request("too-big", tokens(2, 100))  # 7 blocks; 5 are free
+    engine.submit(too_big)
+    engine.waiting = [too_big, pulled]  # as when the prompt queued before the pull was started
+    step = engine.schedule()
+    assert [(r.request_id, new) for r, new in step.work] == [("pulled", 1)]
+    assert too_big.state is RequestState.WAITING
+
+
 def test_a_request_queued_behind_a_chunked_prefill_hits_every_chunk_scheduled_so_far():
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8))
     prompt = tokens(1, 600)
