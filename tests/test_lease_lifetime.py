@@ -85,9 +85,23 @@ async def wait_lease_ended(client: WorkerClient, expired_before: int, timeout: f
         await asyncio.sleep(0.1)
 
 
+async def wait_all_blocks_free(client: WorkerClient, timeout: float = 10.0) -> wire.WorkerStats:
+    """Poll until the engine reports every block free; return its stats (the last seen on timeout).
+
+    A lease ends on the transfer endpoint's thread, and the engine frees its blocks at its next
+    step, whose load reaches the worker's stats after that: a few milliseconds later, longer on a
+    busy machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await wait_idle(client)
+        if stats.load.num_free_blocks == stats.load.num_total_blocks or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
 async def assert_back_to(client: WorkerClient, before: wire.WorkerStats) -> wire.WorkerStats:
     """Nothing left behind: one expiry, no other release, nothing staged, every block free."""
-    after = await wait_idle(client)
+    after = await wait_all_blocks_free(client)
     assert after.transfer.active_leases == 0 and after.transfer.staged_bytes == 0, after.transfer
     assert after.transfer.leases_expired == before.transfer.leases_expired + 1, after.transfer
     assert after.transfer.leases_released == before.transfer.leases_released, after.transfer
@@ -97,7 +111,7 @@ async def assert_back_to(client: WorkerClient, before: wire.WorkerStats) -> wire
 
 async def test_staged_lease_expires_on_an_idle_engine(client):
     """Staging lets the engine go idle at once, so only the endpoint's own clock can end the lease."""
-    before = await wait_idle(client)
+    before = await wait_all_blocks_free(client)
     await hold_unpulled(client, "never-pulled-staged", prompt_of(STAGED_BLOCKS, 1000))
     held = await wait_staged(client, before.transfer.leases_staged + 1)
     assert held.transfer.active_leases == 1 and held.transfer.staged_bytes > 0, held.transfer
@@ -107,7 +121,7 @@ async def test_staged_lease_expires_on_an_idle_engine(client):
 
 
 async def test_in_place_lease_holds_engine_blocks_until_it_expires(client):
-    before = await wait_idle(client)
+    before = await wait_all_blocks_free(client)
     prompt = prompt_of(IN_PLACE_BLOCKS, 7000)
     await hold_unpulled(client, "never-pulled-in-place", prompt)
     held = await wait_granted(client)
@@ -120,7 +134,7 @@ async def test_in_place_lease_holds_engine_blocks_until_it_expires(client):
 
 
 async def test_late_pull_of_an_expired_lease_is_refused_and_the_worker_stays_up(client, producer):
-    before = await wait_idle(client)
+    before = await wait_all_blocks_free(client)
     prompt = prompt_of(STAGED_BLOCKS, 13000)
     source = await hold_unpulled(client, "pulled-too-late", prompt)
     await wait_lease_ended(client, before.transfer.leases_expired, timeout=LEASE_SECONDS + 5)
