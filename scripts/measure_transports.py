@@ -3,9 +3,9 @@
 Two spawned processes on loopback, one receiving, one sending (``kvroute.bench.transfer_pair``
 describes the method). Per backend (zmq-tcp, zmq-ipc, gloo) and transfer size (default 8,
 32 and 128 MiB, in 32 frames as a 32-layer model's per-layer frames), the backend's link
-and its raw baseline move the same bytes in the same frames: plain pyzmq zero-copy over the
+and its raw baseline move the same bytes in the same frames: plain pyzmq PUSH/PULL zero-copy over the
 backend's own transport (tcp or ipc), or plain torch.distributed send/recv. The median is
-reported; ratio = raw seconds / backend seconds (>= 0.8 is the issue's target).
+reported; ratio = raw seconds / backend seconds (the target is >= 0.8).
 
 Usage::
 

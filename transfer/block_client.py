@@ -117,12 +117,15 @@ def _exchange(context: zmq.Context, address: str, deadline: float,
         channel.close()
 
 
+# Some pyzmq versions hand out received frames read-only, which torch warns about; the views
+# of frame_as_tensor are only ever read. (A filter once, not catch_warnings per frame: that
+# is not thread-safe, and costs more than the view itself.)
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def frame_as_tensor(frame: zmq.Frame) -> torch.Tensor:
     """A uint8 view of a received frame, without copying it."""
-    with warnings.catch_warnings():
-        # The frame is read-only; we only ever read from this view.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(frame.buffer, dtype=torch.uint8)
+    return torch.frombuffer(frame.buffer, dtype=torch.uint8)
 
 
 LayerSink = Callable[[int, torch.Tensor], None]

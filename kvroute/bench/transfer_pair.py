@@ -8,12 +8,13 @@ and bound to its own address::
                          │  ◀════ link frames / raw frames ════ │
 
 Per backend and transfer size both the backend's link (``transfer.transports``) and its
-raw baseline move the same bytes in the same frames: plain pyzmq zero-copy over the
-backend's own transport (``transfer_raw``, its sender on a thread of the sending
-process) or plain torch.distributed send/recv (``transfer_raw_dist``). Nothing is
-gathered or scattered: it is the transport alone. Timing runs on the receiving side,
-from the request to the last frame; one warm-up each, then the repetitions interleaved
-so drift hits both alike; medians are reported. Ratio = raw seconds / backend seconds.
+raw baseline move the same bytes in the same frames: plain pyzmq PUSH/PULL zero-copy over
+the backend's own transport (``transfer_raw_push``) or plain torch.distributed send/recv
+(``transfer_raw_dist``). Nothing is gathered or scattered: it is the transport alone.
+Both start the same way, on the same command over the same pipe, and timing runs on the
+receiving side from that command to the last frame; one warm-up each, then the
+repetitions interleaved so drift hits both alike; medians are reported. Ratio = raw
+seconds / backend seconds.
 
 The command and control pipes are inherited file descriptors, so they work across
 network namespaces; only the payload crosses the (possibly shaped) link.
@@ -22,9 +23,7 @@ network namespaces; only the payload crosses the (possibly shaped) link.
 from __future__ import annotations
 
 import multiprocessing
-import queue
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvroute.bench import transfer_netns, transfer_raw, transfer_raw_dist
+from kvroute.bench.transfer_raw_push import RawPull, RawPush
 from kvroute.wire import KVLayoutSpec
 from transfer.transports.control import ConnectionChannel
 from transfer.transports.links import open_receiver, open_sender
@@ -81,6 +81,7 @@ class Peer:
         self.end = end
         self.senders = {}
         self.raw_group = None
+        self.raw_pushes: dict[str, RawPush] = {}
         self.raw_frames: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.touched: set[int] = set()
 
@@ -104,25 +105,28 @@ class Peer:
         self.senders[backend].send([frame_bytes] * num_frames, self.fill_once,
                                    time.monotonic() + DEADLINE_SECONDS, transfer_id)
 
-    def _raw_zmq(self, bind_address: str) -> str:
-        addresses: queue.Queue = queue.Queue()
-        # On a thread of this process: the same two processes as the backend's link.
-        threading.Thread(target=transfer_raw.serve, args=(addresses, None, bind_address), daemon=True).start()
-        return addresses.get(timeout=30)
+    def _raw_zmq_open(self, backend: str, bind_address: str) -> str:
+        self.raw_pushes[backend] = RawPush(bind_address)
+        return self.raw_pushes[backend].address
+
+    def _raw_zmq_send(self, backend: str, frame_bytes: int, num_frames: int) -> None:
+        self.raw_pushes[backend].send(self._touched_frames(frame_bytes, num_frames))
+
+    def _touched_frames(self, frame_bytes: int, num_frames: int) -> list[torch.Tensor]:
+        key = (frame_bytes, num_frames)
+        if key not in self.raw_frames:
+            self.raw_frames = {key: transfer_raw_dist.touched_frames(*key)}  # one size held at a time
+        return self.raw_frames[key]
 
     def _raw_dist_join(self, address: str) -> None:
         store = transfer_raw_dist.connect_store(address)
         self.raw_group = transfer_raw_dist.pair_group(store, SENDER_RANK, host=self.end.host)
 
     def _raw_dist_send(self, frame_bytes: int, num_frames: int) -> None:
-        key = (frame_bytes, num_frames)
-        if key not in self.raw_frames:
-            self.raw_frames = {key: transfer_raw_dist.touched_frames(*key)}  # one size held at a time
-        transfer_raw_dist.send_frames(self.raw_group, self.raw_frames[key], RECEIVER_RANK)
-
+        transfer_raw_dist.send_frames(self.raw_group, self._touched_frames(frame_bytes, num_frames), RECEIVER_RANK)
 
     def close(self) -> None:
-        for sender in self.senders.values():
+        for sender in [*self.senders.values(), *self.raw_pushes.values()]:
             sender.close()  # a zmq-ipc sender removes its socket file
 
 
@@ -175,8 +179,8 @@ class Measurement:
     def open_raw(self) -> None:
         for backend in self.plan.backends:
             if backend.startswith("zmq"):
-                address = self.ask("raw-zmq", _raw_zmq_bind_address(backend, self.plan.sender.host))
-                self.raw_zmq[backend] = transfer_raw.RawReceiver(address)
+                address = self.ask("raw-zmq-open", backend, _raw_zmq_bind_address(backend, self.plan.sender.host))
+                self.raw_zmq[backend] = RawPull(address)
         if "gloo" in self.plan.backends:
             host = self.plan.receiver.host
             self.raw_store, address = transfer_raw_dist.host_store(host)  # kept for the group's lifetime
@@ -196,7 +200,12 @@ class Measurement:
 
     def raw_seconds(self, backend: str, frame_bytes: int) -> float:
         if backend.startswith("zmq"):
-            return self.raw_zmq[backend].transfer(frame_bytes, self.num_frames, timeout=DEADLINE_SECONDS)[0]
+            start = time.perf_counter()
+            self.commands.send(("raw-zmq-send", backend, frame_bytes, self.num_frames))
+            self.raw_zmq[backend].receive(frame_bytes, self.num_frames, DEADLINE_SECONDS)
+            seconds = time.perf_counter() - start
+            self.answer()
+            return seconds
         if frame_bytes not in self.raw_buffers:  # one size held at a time
             self.raw_buffers = {frame_bytes: transfer_raw_dist.touched_frames(frame_bytes, self.num_frames)}
         start = time.perf_counter()
@@ -207,13 +216,16 @@ class Measurement:
         return seconds
 
     def measure(self, backend: str, frame_bytes: int) -> dict:
-        if backend.startswith("zmq"):
-            self.raw_zmq[backend].prepare(frame_bytes, self.num_frames)
         self.backend_seconds(backend, frame_bytes), self.raw_seconds(backend, frame_bytes)  # warm-up
         samples = {"backend": [], "raw": []}
-        for _ in range(self.plan.reps):
-            samples["backend"].append(self.backend_seconds(backend, frame_bytes))
+        for rep in range(self.plan.reps):
+            # Each goes first in every other repetition: whatever the first leaves behind
+            # (a busy I/O thread, references still being released) slows both alike.
+            if rep % 2 == 0:
+                samples["backend"].append(self.backend_seconds(backend, frame_bytes))
             samples["raw"].append(self.raw_seconds(backend, frame_bytes))
+            if rep % 2 == 1:
+                samples["backend"].append(self.backend_seconds(backend, frame_bytes))
         return summarise(backend, frame_bytes, self.num_frames, samples)
 
     def rows(self) -> Iterator[dict]:
@@ -225,7 +237,6 @@ class Measurement:
                     yield self.measure(backend, frame_bytes)
         finally:
             for raw in self.raw_zmq.values():
-                raw.stop_sender()  # its socket closes, and an ipc socket file goes with it
                 raw.close()
 
 

@@ -6,11 +6,10 @@ message per layer, sent with ``copy=False`` from buffers allocated (and touched)
 before timing starts. Nothing is gathered on the sending side, nothing is scattered
 on the receiving side unless the caller passes a sink: it is the transport alone.
 
-The sender (``serve``) binds any ZeroMQ endpoint, so tcp and ipc links each get a raw
-baseline over their own transport. It runs in its own process (``RawSender``,
-``multiprocessing`` spawn), optionally pinned to the same CPUs as the engine's
-block-server thread so it competes for cores the way the real producer does, or on a
-thread of a process that also hosts a link under test.
+The sender (``serve``) binds any ZeroMQ endpoint, tcp or ipc. It runs in its own
+process (``RawSender``, ``multiprocessing`` spawn), optionally pinned to the same CPUs as
+the engine's block-server thread so it competes for cores the way the real producer
+does. (The transport links, PUSH to PULL, have their own baseline: ``transfer_raw_push``.)
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def serve(address_queue, cpus: Sequence[int] | None = None, bind_address: str = 
     """The raw sender's main loop: answer prepare/send/stop on a ROUTER socket bound at
     ``bind_address`` (any ZeroMQ endpoint; ``*`` for a free tcp port). The endpoint actually
     bound goes to ``address_queue`` (anything with ``put``) before the first request.
-    Runs in a process of its own (``RawSender``) or on a thread of the caller's."""
+    Runs in a process of its own (``RawSender``)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))  # before the context, so libzmq's I/O thread inherits it
     context = zmq.Context()

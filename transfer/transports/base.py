@@ -103,19 +103,39 @@ class Sender(_LinkEnd):
 
     def _send_transfer(self, header: TransferHeader, fill: LayerSource, deadline: float) -> None:
         trackers = [self._send_header(header.pack(), deadline)]
-        for group in self._message_groups(header.frame_bytes):
+        groups = self._message_groups(header.frame_bytes)
+        untracked_slots = []
+        for position, group in enumerate(groups):
             sizes = [header.frame_bytes[index] for index in group]
             slot, buffer = self._buffers.acquire(sum(sizes))
             offset = 0
             for index, nbytes in zip(group, sizes):
                 fill(index, buffer[offset:offset + nbytes])
                 offset += nbytes
+            if self.completes_in_order and position < len(groups) - 1:
+                self._send_untracked(buffer, deadline)
+                untracked_slots.append(slot)
+                continue
             tracker = self._send_buffer(buffer, deadline)
             self._buffers.mark_sent(slot, tracker)
             trackers.append(tracker)
-        for tracker in trackers:
+        for slot in untracked_slots:  # in flight until the last message is done
+            self._buffers.mark_sent(slot, trackers[-1])
+        # Newest first: messages on a link leave in order, so once the last is done the others
+        # are too, and this thread wakes once per transfer instead of once per message (each
+        # wake-up takes a core from the I/O thread still sending, on a machine with few).
+        for tracker in reversed(trackers):
             if tracker is not None and not tracker.done:
                 tracker.wait(seconds_left(deadline, f"a {self.backend} send to complete"))
+
+    # Whether this backend's messages complete in the order they were sent (one socket, one
+    # peer, one queue): then only the last message of a transfer is tracked, its completion
+    # stands for all, and ``_send_buffer`` must return a tracker for it.
+    completes_in_order = False
+
+    def _send_untracked(self, buffer: torch.Tensor, deadline: float) -> None:
+        """Start sending a message that is not the last of a transfer (``completes_in_order``)."""
+        raise NotImplementedError
 
     def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
         """Which consecutive frames travel together as one message; by default each alone."""
