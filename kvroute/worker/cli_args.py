@@ -45,8 +45,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--long-prefill-tokens", type=int, default=None,
                         help="most prompt tokens one request computes per engine step while others wait; "
-                             "0: no cap (default: 256 on decode workers, so a local prefill cannot hold "
-                             "arriving KV pulls and running streams for seconds; no cap on prefill workers)")
+                             "0: no cap (default: 256, so a long prompt cannot hold arriving KV pulls, "
+                             "running streams or a waiting cache hit for seconds)")
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="most prompt tokens one engine step computes over all requests "
                              "(default: the engine's, 2048)")
