@@ -75,14 +75,16 @@ def test_one_link_carries_every_pull_of_the_pair(context, producer, consumer, li
     assert not link.closed and fetch_transfer_stats(context, producer.address).counters.links_opened == 1
 
 
-def test_a_staged_lease_is_sent_from_its_copy(context, producer, consumer, link):
+@pytest.mark.parametrize("positions, local_ids", [([3, 0], [2, 6]),  # gathered from the copy
+                                                  ([0, 1, 2, 3], [2, 6, 9, 4])])  # the whole copy, as it lies
+def test_a_staged_lease_is_sent_from_its_copy(context, producer, consumer, link, positions, local_ids):
     lease_blocks = (3, 7, 1, 10)
     lease, source = producer.lease(lease_blocks, grant=False)
     producer.leases.grant(lease, staging_bytes=len(lease_blocks) * producer.cache.spec.bytes_per_block)
     original = stage(producer, lease)
-    pull(context, link, consumer, source, [3, 0], [2, 6])
+    pull(context, link, consumer, source, positions, local_ids)
     for layer in range(NUM_LAYERS):
-        for position, local_id in ((3, 2), (0, 6)):
+        for position, local_id in zip(positions, local_ids):
             expected = original[layer].select(producer.cache.block_dim, lease_blocks[position]).contiguous()
             assert torch.equal(block_bytes(consumer, layer, local_id), expected.view(torch.uint8))
 

@@ -226,6 +226,31 @@ def test_delta_transfers_move_only_the_requested_blocks(links, backend):
         assert_moved(source, destination, before, moves)
 
 
+def test_frames_lent_as_they_lie_arrive_bit_exactly_and_only_the_others_are_filled(links, backend):
+    """A staged lease's contiguous runs go out without a copy into send buffers (``frame_view``);
+    a frame without a view (None) is filled as usual, and so is a view on another device."""
+    sender_device, _ = devices(backend)
+    layout = make_cache(torch.float16, "kv-first-h2-b8-d64", SOURCE_BLOCKS, seed=7).spec
+    sender, receiver = links.open(layout)
+    nbytes = (3 << 20) // 2  # above the packing size: each frame travels alone
+    generator = torch.Generator().manual_seed(8)
+    frames = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).to(sender_device)
+              for _ in range(3)]
+    filled, received = [], {}
+
+    def fill(index: int, out: torch.Tensor) -> None:
+        filled.append(index)
+        out.copy_(frames[index])
+
+    sent, got = both(
+        lambda: sender.send([nbytes] * 3, fill, deadline(), 4, frame_view=lambda i: None if i == 1 else frames[i]),
+        lambda: receiver.receive([nbytes] * 3, lambda i, data: received.__setitem__(i, data.cpu().clone()),
+                                 deadline(), 4))
+    assert sent.get() == got.get() == 3 * nbytes
+    assert filled == [1]
+    assert all(torch.equal(received[i], frames[i].cpu()) for i in range(3))
+
+
 def test_empty_transfer_is_a_header_only(links):
     layout = make_cache(torch.float16, "kv-first-h2-b8-d64", SOURCE_BLOCKS, seed=5).spec
     sender, receiver = links.open(layout)

@@ -268,15 +268,22 @@ class BlockServer:
         """One transfer over the consumer's link, gathered layer by layer into the link's
         own buffers; a failure closes the link (the consumer opens a new one)."""
         cache = self.cache
+        frame_view = None
         if lease.staged is not None:
             positions = block_index_tensor(request.block_indices)
             fill = lambda layer, out: cache.select_from_copy(lease.staged[layer], positions, out)  # noqa: E731
+            # A staged copy is never written again: a contiguous run of it goes out as it lies.
+            first = _first_of_run(request.block_indices)
+            if first is not None:
+                count = len(request.block_indices)
+                frame_view = lambda layer: cache.run_of_copy(lease.staged[layer], first, count)  # noqa: E731
         else:
             index = block_index_tensor(block_ids)
             fill = lambda layer, out: cache.gather_layer(layer, index, out)  # noqa: E731
         frame_bytes = [len(block_ids) * cache.layer_bytes_per_block] * cache.spec.num_layers
         try:
-            sent = link.send(frame_bytes, fill, time.monotonic() + LINK_SEND_SECONDS, request.transfer_id)
+            sent = link.send(frame_bytes, fill, time.monotonic() + LINK_SEND_SECONDS, request.transfer_id,
+                             frame_view)
         except TransportError as error:
             logger.warning("%s link to a consumer failed while sending; closed it (%s)", link.backend, error)
             self._links.pop(request.link_id, None)
@@ -288,11 +295,10 @@ class BlockServer:
         any frame still references them, so a contiguous run of blocks goes out zero-copy
         as it lies; other selections are gathered into send buffers first."""
         cache, count = self.cache, len(indices)
-        first = indices[0] if indices else 0
-        contiguous = indices == list(range(first, first + count))
+        first = _first_of_run(indices)
         positions = None  # built once, only when some layer needs a gather
         for copy in staged:
-            run = cache.run_of_copy(copy, first, count) if contiguous else None
+            run = cache.run_of_copy(copy, first, count) if first is not None else None
             if run is not None:
                 send_frame(self._socket, [identity], run, track=False)
                 continue
@@ -308,3 +314,9 @@ class BlockServer:
 
     def _reply(self, identity: bytes, message: wire._Message) -> None:
         self._socket.send_multipart([identity, wire.encode(message)])
+
+
+def _first_of_run(indices: list[int]) -> int | None:
+    """The first of ``indices`` when they are consecutive (an empty list is a run at 0), else None."""
+    first = indices[0] if indices else 0
+    return first if indices == list(range(first, first + len(indices))) else None

@@ -39,6 +39,8 @@ from transfer.transports.header import TransferHeader
 from transfer.transports.settings import LinkOptions
 
 LayerSource = Callable[[int, torch.Tensor], None]
+# Frame ``index`` as it lies in the caller's memory, to send as is (None: fill it instead).
+FrameView = Callable[[int], "torch.Tensor | None"]
 LayerSink = Callable[[int, torch.Tensor], None]
 
 
@@ -95,29 +97,31 @@ class Sender(_LinkEnd):
         self._buffers = SendBufferPool(device=options.device)
 
     def send(self, frame_bytes: Sequence[int], fill: LayerSource, deadline: float,
-             transfer_id: int = 0) -> int:
-        """Send one transfer; returns its payload bytes once every frame has left this end."""
+             transfer_id: int = 0, frame_view: FrameView | None = None) -> int:
+        """Send one transfer; returns its payload bytes once every frame has left this end.
+
+        ``frame_view``: for memory that stays unchanged until then (a staged lease), a frame
+        that travels alone goes out as it lies when ``frame_view(index)`` gives its bytes
+        (contiguous uint8 on this end's device), with no copy into a send buffer."""
         header = TransferHeader(transfer_id, tuple(frame_bytes))
-        self._run(lambda: self._send_transfer(header, fill, deadline))
+        self._run(lambda: self._send_transfer(header, fill, frame_view, deadline))
         return header.total_bytes
 
-    def _send_transfer(self, header: TransferHeader, fill: LayerSource, deadline: float) -> None:
+    def _send_transfer(self, header: TransferHeader, fill: LayerSource, frame_view: FrameView | None,
+                       deadline: float) -> None:
         trackers = [self._send_header(header.pack(), deadline)]
         groups = self._message_groups(header.frame_bytes)
         untracked_slots = []
         for position, group in enumerate(groups):
-            sizes = [header.frame_bytes[index] for index in group]
-            slot, buffer = self._buffers.acquire(sum(sizes))
-            offset = 0
-            for index, nbytes in zip(group, sizes):
-                fill(index, buffer[offset:offset + nbytes])
-                offset += nbytes
+            slot, message = self._message(header.frame_bytes, group, fill, frame_view)
             if self.completes_in_order and position < len(groups) - 1:
-                self._send_untracked(buffer, deadline)
-                untracked_slots.append(slot)
+                self._send_untracked(message, deadline)
+                if slot is not None:
+                    untracked_slots.append(slot)
                 continue
-            tracker = self._send_buffer(buffer, deadline)
-            self._buffers.mark_sent(slot, tracker)
+            tracker = self._send_buffer(message, deadline)
+            if slot is not None:
+                self._buffers.mark_sent(slot, tracker)
             trackers.append(tracker)
         for slot in untracked_slots:  # in flight until the last message is done
             self._buffers.mark_sent(slot, trackers[-1])
@@ -127,6 +131,27 @@ class Sender(_LinkEnd):
         for tracker in reversed(trackers):
             if tracker is not None and not tracker.done:
                 tracker.wait(seconds_left(deadline, f"a {self.backend} send to complete"))
+
+    def _message(self, frame_bytes: tuple[int, ...], group: range, fill: LayerSource,
+                 frame_view: FrameView | None) -> tuple[int | None, torch.Tensor]:
+        """One message's bytes and the send-buffer slot holding them (None: the caller's own)."""
+        if frame_view is not None and len(group) == 1:
+            view = frame_view(group.start)
+            if view is not None and self._sendable_as_is(view, frame_bytes[group.start]):
+                return None, view
+        sizes = [frame_bytes[index] for index in group]
+        slot, buffer = self._buffers.acquire(sum(sizes))
+        offset = 0
+        for index, nbytes in zip(group, sizes):
+            fill(index, buffer[offset:offset + nbytes])
+            offset += nbytes
+        return slot, buffer
+
+    def _sendable_as_is(self, view: torch.Tensor, nbytes: int) -> bool:
+        if view.numel() != nbytes or view.dtype != torch.uint8:
+            raise ValueError(f"a frame view of {view.numel()} {view.dtype} elements for a frame of {nbytes} bytes")
+        # Elsewhere (host memory for a CUDA link) or strided, it is copied into a buffer instead.
+        return view.device == self.device and view.is_contiguous()
 
     # Whether this backend's messages complete in the order they were sent (one socket, one
     # peer, one queue): then only the last message of a transfer is tracked, its completion
