@@ -188,32 +188,33 @@ class Measurement:
             self.raw_group = transfer_raw_dist.pair_group(self.raw_store, RECEIVER_RANK, host=host)
             self.answer()
 
-    def backend_seconds(self, backend: str, frame_bytes: int) -> float:
-        self.transfer_id += 1
+    def _timed(self, command: tuple, receive: Callable[[], object]) -> float:
+        """Seconds from sending the peer ``command`` until ``receive()`` has every frame; the
+        same start for a link and its raw baseline."""
         start = time.perf_counter()
-        self.commands.send(("send", backend, frame_bytes, self.num_frames, self.transfer_id))
-        self.receivers[backend].receive([frame_bytes] * self.num_frames, lambda *_: None,
-                                        time.monotonic() + DEADLINE_SECONDS, self.transfer_id)
+        self.commands.send(command)
+        receive()
         seconds = time.perf_counter() - start
         self.answer()
         return seconds
 
+    def backend_seconds(self, backend: str, frame_bytes: int) -> float:
+        self.transfer_id += 1
+        frames = [frame_bytes] * self.num_frames
+        return self._timed(("send", backend, frame_bytes, self.num_frames, self.transfer_id),
+                           lambda: self.receivers[backend].receive(frames, lambda *_: None,
+                                                                   time.monotonic() + DEADLINE_SECONDS,
+                                                                   self.transfer_id))
+
     def raw_seconds(self, backend: str, frame_bytes: int) -> float:
         if backend.startswith("zmq"):
-            start = time.perf_counter()
-            self.commands.send(("raw-zmq-send", backend, frame_bytes, self.num_frames))
-            self.raw_zmq[backend].receive(frame_bytes, self.num_frames, DEADLINE_SECONDS)
-            seconds = time.perf_counter() - start
-            self.answer()
-            return seconds
+            return self._timed(("raw-zmq-send", backend, frame_bytes, self.num_frames),
+                               lambda: self.raw_zmq[backend].receive(frame_bytes, self.num_frames, DEADLINE_SECONDS))
         if frame_bytes not in self.raw_buffers:  # one size held at a time
             self.raw_buffers = {frame_bytes: transfer_raw_dist.touched_frames(frame_bytes, self.num_frames)}
-        start = time.perf_counter()
-        self.commands.send(("raw-dist-send", frame_bytes, self.num_frames))
-        transfer_raw_dist.receive_frames(self.raw_group, self.raw_buffers[frame_bytes], SENDER_RANK)
-        seconds = time.perf_counter() - start
-        self.answer()
-        return seconds
+        return self._timed(("raw-dist-send", frame_bytes, self.num_frames),
+                           lambda: transfer_raw_dist.receive_frames(self.raw_group, self.raw_buffers[frame_bytes],
+                                                                    SENDER_RANK))
 
     def measure(self, backend: str, frame_bytes: int) -> dict:
         self.backend_seconds(backend, frame_bytes), self.raw_seconds(backend, frame_bytes)  # warm-up

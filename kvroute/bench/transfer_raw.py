@@ -14,7 +14,6 @@ does. (The transport links, PUSH to PULL, have their own baseline: ``transfer_ra
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import random
@@ -29,6 +28,7 @@ import torch
 import zmq
 
 from kvroute.wire import KVLayoutSpec
+from transfer.transports.zmq_backend import remove_ipc_socket_file
 
 _ZERO_COPY_MIN_BYTES = 64 * 1024  # same threshold as transfer.send_buffers
 
@@ -86,9 +86,7 @@ def serve(address_queue, cpus: Sequence[int] | None = None, bind_address: str = 
     finally:
         socket.close(linger=0)
         context.term()
-        if bind_address.startswith("ipc://"):  # libzmq leaves a bound ipc socket's file behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(bind_address.removeprefix("ipc://"))
+        remove_ipc_socket_file(bind_address)
 
 
 class RawSender:

@@ -11,13 +11,11 @@ transfer, trackers, deadlines and frame checks.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import zmq
 
 from transfer.send_buffers import ZERO_COPY_MIN_BYTES
+from transfer.transports.zmq_backend import remove_ipc_socket_file
 
 
 class RawPush:
@@ -35,9 +33,7 @@ class RawPush:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-        if self.address.startswith("ipc://"):  # libzmq leaves a bound ipc socket's file behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.address.removeprefix("ipc://"))
+        remove_ipc_socket_file(self.address)
 
 
 class RawPull:

@@ -134,6 +134,12 @@ def _remove_socket_file(path: str | None) -> None:
             pass
 
 
+def remove_ipc_socket_file(endpoint: str) -> None:
+    """libzmq leaves a bound ipc socket's file behind: remove it (nothing to do for tcp)."""
+    if endpoint.startswith("ipc://"):
+        _remove_socket_file(endpoint.removeprefix("ipc://"))
+
+
 class ZmqBackend:
     def __init__(self, transport: str):
         assert transport in ("tcp", "ipc")
