@@ -70,6 +70,40 @@ def test_queue_wait_grows_with_queued_tokens_and_active_requests():
     assert cost.queue_wait_seconds(MODEL, worker(in_flight=4)) == pytest.approx(4 * 0.005)
 
 
+def queued_alone(tokens: int) -> float:
+    return MODEL.prefill.fixed_seconds + tokens * MODEL.prefill.per_token_seconds
+
+
+def test_a_worker_sharing_its_steps_is_priced_as_processor_sharing():
+    """Prompts of 3,000 and 300 queued (0.98 s and 0.143 s alone): a 0.5 s prefill shares
+    0.5 s with the long one and 0.143 s with the short one, and delays them as much."""
+    sharing = worker(num_waiting=2, num_queued_prefill_tokens=3300, queued_prompts=(3000, 300), prompt_step_cap=256)
+    shared = 0.5 + queued_alone(300)
+    assert cost.queue_wait_seconds(MODEL, sharing, 0.5) == pytest.approx(shared + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, sharing, 0.5) == pytest.approx(shared)
+    # a prefill longer than every queued prompt waits for all of them, as in turn
+    in_turn = queued_alone(3000) + queued_alone(300)
+    assert cost.queue_wait_seconds(MODEL, sharing, 5.0) == pytest.approx(in_turn + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, sharing, 5.0) == pytest.approx(in_turn)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(queued_prompts=(3000, 300), prompt_step_cap=0),  # prompts take whole steps: served in turn
+    dict(queued_prompts=None, prompt_step_cap=256),  # a worker that reports only its total
+])
+def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_delays_nothing(fields):
+    in_turn = worker(num_waiting=2, num_queued_prefill_tokens=3300, **fields)
+    assert cost.queue_wait_seconds(MODEL, in_turn, 0.5) == pytest.approx(
+        queued_alone(3000) + queued_alone(300) + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, in_turn, 0.5) == 0.0
+
+
+def test_the_shared_queue_runs_at_the_workers_measured_speed():
+    slow = replace(MODEL, prefill_speed={"w0": 2.0})
+    sharing = worker(num_waiting=1, num_queued_prefill_tokens=3000, queued_prompts=(3000,), prompt_step_cap=256)
+    assert cost.queue_delay_seconds(slow, sharing, 10.0) == pytest.approx(2 * queued_alone(3000))
+
+
 def test_local_prefill_on_a_busy_decode_worker_is_penalised():
     assert cost.local_interference_seconds(MODEL, worker(role="decode"), 0.4) == 0.0
     assert cost.local_interference_seconds(MODEL, worker(role="decode", num_running=4), 0.4) == pytest.approx(0.4)
