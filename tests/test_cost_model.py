@@ -74,17 +74,29 @@ def queued_alone(tokens: int) -> float:
     return MODEL.prefill.fixed_seconds + tokens * MODEL.prefill.per_token_seconds
 
 
-def test_a_worker_sharing_its_steps_is_priced_as_processor_sharing():
-    """Prompts of 3,000 and 300 queued (0.98 s and 0.143 s alone): a 0.5 s prefill shares
-    0.5 s with the long one and 0.143 s with the short one, and delays them as much."""
-    sharing = worker(num_waiting=2, num_queued_prefill_tokens=3300, queued_prompts=(3000, 300), prompt_step_cap=256)
+def sharing(*tokens: int) -> WorkerView:
+    return worker(num_waiting=len(tokens), num_queued_prefill_tokens=sum(tokens), queued_prompts=tokens,
+                  prompt_step_cap=256)
+
+
+def test_the_oldest_queued_prompt_is_waited_for_and_the_others_share_steps():
+    """Prompts of 1,000, 3,000 and 300 tokens queued (0.36, 0.98 and 0.143 s alone): a
+    0.5 s prefill waits for the oldest in full (a prompt alone takes whole steps), then
+    shares 0.5 s with the long one and 0.143 s with the short one, and delays them as much."""
+    queued = sharing(1000, 3000, 300)
     shared = 0.5 + queued_alone(300)
-    assert cost.queue_wait_seconds(MODEL, sharing, 0.5) == pytest.approx(shared + 2 * 0.005)
-    assert cost.queue_delay_seconds(MODEL, sharing, 0.5) == pytest.approx(shared)
+    assert cost.queue_wait_seconds(MODEL, queued, 0.5) == pytest.approx(queued_alone(1000) + shared + 3 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, queued, 0.5) == pytest.approx(shared)
     # a prefill longer than every queued prompt waits for all of them, as in turn
-    in_turn = queued_alone(3000) + queued_alone(300)
-    assert cost.queue_wait_seconds(MODEL, sharing, 5.0) == pytest.approx(in_turn + 2 * 0.005)
-    assert cost.queue_delay_seconds(MODEL, sharing, 5.0) == pytest.approx(in_turn)
+    in_turn = queued_alone(1000) + queued_alone(3000) + queued_alone(300)
+    assert cost.queue_wait_seconds(MODEL, queued, 5.0) == pytest.approx(in_turn + 3 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, queued, 5.0) == pytest.approx(in_turn - queued_alone(1000))
+
+
+def test_a_prompt_computing_alone_is_waited_for_in_full_and_not_delayed():
+    alone = sharing(3000)
+    assert cost.queue_wait_seconds(MODEL, alone, 0.1) == pytest.approx(queued_alone(3000) + 0.005)
+    assert cost.queue_delay_seconds(MODEL, alone, 0.1) == 0.0
 
 
 @pytest.mark.parametrize("fields", [
@@ -100,8 +112,7 @@ def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_de
 
 def test_the_shared_queue_runs_at_the_workers_measured_speed():
     slow = replace(MODEL, prefill_speed={"w0": 2.0})
-    sharing = worker(num_waiting=1, num_queued_prefill_tokens=3000, queued_prompts=(3000,), prompt_step_cap=256)
-    assert cost.queue_delay_seconds(slow, sharing, 10.0) == pytest.approx(2 * queued_alone(3000))
+    assert cost.queue_delay_seconds(slow, sharing(100, 3000), 10.0) == pytest.approx(2 * queued_alone(3000))
 
 
 def test_local_prefill_on_a_busy_decode_worker_is_penalised():

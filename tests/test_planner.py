@@ -286,28 +286,35 @@ def cold_prompts_queued(*tokens: int) -> dict:
 
 
 def test_a_cold_prompt_goes_where_it_delays_no_queued_prompt():
-    """Prefill workers sharing their steps: a cold 900-token prompt beside a queued cold
-    1,000-token one would reach its first token sooner than on a worker slowed to half
-    speed by a neighbour, but both prompts would share every step until the first ends:
-    together they lose more than the slowed worker costs."""
-    sharing = worker("p0", **cold_prompts_queued(1000))
+    """Prefill workers sharing their steps: a cold 900-token prompt behind two queued
+    short ones would reach its first token sooner than on a worker slowed to half speed
+    by a neighbour, but it would share steps with the second of them and delay it: the
+    two together lose more than the slowed worker costs."""
+    busy = worker("p0", **cold_prompts_queued(30, 650))
     slowed = worker("p1", core_neighbours=(worker("d9", num_running=2),))
-    decision = decide([sharing, slowed], [BUSY_DECODE])
+    decision = decide([busy, slowed], [BUSY_DECODE])
     by_worker = {plan.prefill_worker: plan.estimate for plan in decision.alternatives if plan.prefill_worker}
-    assert by_worker["p0"].ttft < by_worker["p1"].ttft  # the sharing worker alone would be chosen
+    assert by_worker["p0"].ttft < by_worker["p1"].ttft  # the busy worker alone would be chosen
     assert by_worker["p0"].queue_delay > 0 and by_worker["p1"].queue_delay == 0
     assert decision.chosen.prefill_worker == "p1"
     # the record says what a plan costs the queued prompts, chosen or runner-up
-    assert "delays queued prompts by" in decide([sharing], [BUSY_DECODE]).reason
+    assert "delays queued prompts by" in decide([busy], [BUSY_DECODE]).reason
 
 
 def test_a_short_hit_still_joins_a_warm_worker_sharing_steps_with_cold_prompts():
-    """A hit computes a few tokens: it takes little from the queued prompts and gets its
-    first token long before they end, where waiting in turn would have priced it behind
-    all of them (the cold idle worker then wins and recomputes the prefix)."""
-    warm = worker("p0", cached_blocks=PROMPT_BLOCKS, **cold_prompts_queued(1200, 1200, 1200))
+    """A hit computes a few tokens: behind the oldest prompt it takes little from the
+    others and gets its first token long before they end, where waiting in turn prices it
+    behind all of them (the cold idle worker then wins and recomputes the prefix)."""
+    warm = worker("p0", cached_blocks=PROMPT_BLOCKS, **cold_prompts_queued(100, 1200))
     decision = decide([warm, worker("p1")], [BUSY_DECODE])
     assert decision.chosen.prefill_worker == "p0"
     assert decision.chosen.estimate.queue_delay < 0.3
     in_turn = decide([replace(warm, prompt_step_cap=0), worker("p1")], [BUSY_DECODE])
     assert in_turn.chosen.prefill_worker == "p1"
+
+
+def test_a_hit_behind_a_cold_prompt_computing_alone_waits_for_all_of_it():
+    """A prompt alone takes whole steps: a hit arriving meanwhile waits for its end, so a
+    long cold prompt there sends the hit to recompute on an idle worker."""
+    warm = worker("p0", cached_blocks=PROMPT_BLOCKS, **cold_prompts_queued(3000))
+    assert decide([warm, worker("p1")], [BUSY_DECODE]).chosen.prefill_worker == "p1"

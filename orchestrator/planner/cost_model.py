@@ -133,7 +133,7 @@ def queued_prompt_seconds(model: CostModel, worker: WorkerView) -> float:
 
 def queued_prompts_seconds(model: CostModel, worker: WorkerView) -> list[float]:
     """What each prompt queued on ``worker`` still costs alone (one overhead plus its
-    tokens, at the worker's speed); they sum to ``queued_prefill_seconds``."""
+    tokens, at the worker's speed), oldest first; they sum to ``queued_prefill_seconds``."""
     coefficients = model.coefficients_for(worker.role)
     speed = model.speed_of(worker.worker_id)
     return [(coefficients.fixed_seconds + coefficients.per_token_seconds * tokens) * speed
@@ -141,39 +141,49 @@ def queued_prompts_seconds(model: CostModel, worker: WorkerView) -> list[float]:
 
 
 def shares_steps(worker: WorkerView) -> bool:
-    """Whether the worker's engine divides each step between its queued prompts (a
-    per-prompt step cap) and lists them, so the sharing can be priced prompt by prompt."""
+    """Whether ``worker``'s engine divides its steps between queued prompts (a per-prompt
+    step cap) and lists them oldest first, so the sharing can be priced prompt by prompt."""
     return worker.prompt_step_cap > 0 and worker.queued_prompts is not None
 
 
 def shared_seconds(model: CostModel, worker: WorkerView, prefill_time: float) -> float:
-    """Under processor sharing, what a prefill of ``prefill_time`` and each queued prompt
-    take from one another: min(B_i, P) for a queued prompt of B_i seconds."""
-    return sum(min(alone, prefill_time) for alone in queued_prompts_seconds(model, worker))
+    """What a prefill of ``prefill_time`` and the prompts queued behind the oldest take
+    from one another under processor sharing: min(B_i, P) for each of B_i seconds."""
+    return sum(min(alone, prefill_time) for alone in queued_prompts_seconds(model, worker)[1:])
 
 
 def queue_wait_seconds(model: CostModel, worker: WorkerView, prefill_time: float = math.inf) -> float:
     """Wait a new prefill of ``prefill_time`` on ``worker`` spends behind the work already
     queued there, plus what every active request's share of the forward passes costs it.
 
-    An engine serving prompts in turn (no step cap, or one that does not list its
-    prompts) prefills everything queued first. One that caps each prompt's share of a
-    step gives every unfinished prompt an equal share (vLLM caps each at
-    ``long_prefill_token_threshold`` tokens a step): processor sharing, where a job of P
-    seconds beside jobs of B_i seconds ends after P + sum(min(B_i, P)). Measured on one
-    CPU core with a 256-token cap: three ~1,250-token cold prompts placed on one worker
-    within 8 s had their first tokens after 13.3, 10.9 and 8.5 s, where waiting in turn
-    was estimated at 5.3-6.4 s; a short hit beside a cold prompt waits a fraction of it."""
-    queued = shared_seconds(model, worker, prefill_time) if shares_steps(worker) else queued_prefill_seconds(model, worker)
+    An engine serving prompts in turn (no step cap, or a worker that does not list its
+    prompts) prefills everything queued first. vLLM's per-prompt step cap
+    (``long_prefill_token_threshold``) makes prompts share steps, but only while two or
+    more are scheduled: a prompt alone takes the whole step budget, so a lone cold prompt
+    is one long step and whatever arrives meanwhile waits for all of it. Measured on one
+    CPU core (1,300-token prompts, cap 256): a cold prompt arriving 1 s after another had
+    its first token 7.6 s after the first one's, and a 40-token hit arriving then waited
+    for the whole of it; two prompts arriving together shared every step and finished
+    1.4 s apart. So the oldest queued prompt is waited for in full, and the others share
+    steps with the new one: processor sharing, where a job of P seconds beside jobs of
+    B_i seconds ends after P + sum(min(B_i, P)). In a real replay, three ~1,250-token
+    cold prompts placed on one worker within 8 s behind a fourth shared its steps and had
+    their first tokens after 13.3, 10.9 and 8.5 s, where waiting in turn was estimated at
+    5.3-6.4 s."""
+    if shares_steps(worker):
+        alone = queued_prompts_seconds(model, worker)
+        queued = (alone[0] if alone else 0.0) + shared_seconds(model, worker, prefill_time)
+    else:
+        queued = queued_prefill_seconds(model, worker)
     return queued + model.interleave_seconds_per_active * active_requests(worker)
 
 
 def queue_delay_seconds(model: CostModel, worker: WorkerView, prefill_time: float) -> float:
     """What a new prefill of ``prefill_time`` adds to the first-token times of the prompts
     already queued on ``worker``: nothing where they are served first, min(B_i, P) to each
-    where the engine shares its steps between them. Not part of the new request's TTFT;
-    the planner charges it to the placement, so a burst of cold prompts spreads over the
-    pool instead of slowing one another on the worker that looked least busy."""
+    behind the oldest where the engine shares its steps between them. Not part of the new
+    request's TTFT; the planner charges it to the placement, so a burst of cold prompts
+    spreads over the pool instead of slowing one another on one worker."""
     return shared_seconds(model, worker, prefill_time) if shares_steps(worker) else 0.0
 
 
