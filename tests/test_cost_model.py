@@ -71,7 +71,9 @@ def test_queue_wait_grows_with_queued_tokens_and_active_requests():
 
 
 def queued_alone(tokens: int) -> float:
-    return MODEL.prefill.fixed_seconds + tokens * MODEL.prefill.per_token_seconds
+    coefficients = MODEL.prefill
+    return (coefficients.fixed_seconds + tokens * coefficients.per_token_seconds
+            + coefficients.attention_seconds * tokens * tokens / 2)
 
 
 def sharing(*tokens: int) -> WorkerView:
@@ -99,15 +101,26 @@ def test_a_prompt_computing_alone_is_waited_for_in_full_and_not_delayed():
     assert cost.queue_delay_seconds(MODEL, alone, 0.1) == 0.0
 
 
-@pytest.mark.parametrize("fields", [
-    dict(queued_prompts=(3000, 300), prompt_step_cap=0),  # prompts take whole steps: served in turn
-    dict(queued_prompts=None, prompt_step_cap=256),  # a worker that reports only its total
-])
-def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_delays_nothing(fields):
-    in_turn = worker(num_waiting=2, num_queued_prefill_tokens=3300, **fields)
+def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_delays_nothing():
+    in_turn = worker(num_waiting=2, num_queued_prefill_tokens=3300, queued_prompts=(3000, 300), prompt_step_cap=0)
     assert cost.queue_wait_seconds(MODEL, in_turn, 0.5) == pytest.approx(
         queued_alone(3000) + queued_alone(300) + 2 * 0.005)
     assert cost.queue_delay_seconds(MODEL, in_turn, 0.5) == 0.0
+
+
+def test_a_worker_reporting_only_its_total_is_priced_by_the_linear_term_in_turn():
+    total_only = worker(num_waiting=2, num_queued_prefill_tokens=3300, prompt_step_cap=256)
+    assert cost.queue_wait_seconds(MODEL, total_only, 0.5) == pytest.approx(
+        2 * 0.05 + 3300 * MODEL.prefill.per_token_seconds + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, total_only, 0.5) == 0.0
+
+
+def test_listed_prompts_are_priced_with_their_attention():
+    """A long prompt's attention term is a large part of it once fitted to real prefills."""
+    heavy = replace(MODEL, prefill=PrefillCoefficients(0.05, 1e-3, 7e-6))
+    listed = worker(num_waiting=1, num_queued_prefill_tokens=1200, queued_prompts=(1200,))
+    assert cost.queued_prefill_seconds(heavy, listed) == pytest.approx(0.05 + 1.2 + 7e-6 * 1200 * 600)
+    assert cost.queued_prompt_seconds(heavy, listed) == pytest.approx(1.2 + 7e-6 * 1200 * 600)
 
 
 def test_the_shared_queue_runs_at_the_workers_measured_speed():

@@ -118,26 +118,34 @@ def active_requests(worker: WorkerView) -> int:
 
 
 def queued_prefill_seconds(model: CostModel, worker: WorkerView) -> float:
-    """Computing the prompts queued on ``worker``: linear term plus one fixed overhead per
-    waiting request (their attention term is unknown without their split, and small), at
-    the worker's own speed."""
+    """Computing the prompts queued on ``worker``, at the worker's own speed: each listed
+    prompt as a prefill of its own (``queued_prompts_seconds``), or, from a worker that
+    reports only a total, the linear term plus one fixed overhead per waiting request."""
+    if worker.queued_prompts is not None:
+        return sum(queued_prompts_seconds(model, worker))
     overheads = model.coefficients_for(worker.role).fixed_seconds * worker.num_waiting
     return overheads * model.speed_of(worker.worker_id) + queued_prompt_seconds(model, worker)
 
 
 def queued_prompt_seconds(model: CostModel, worker: WorkerView) -> float:
     """Computing the prompt tokens queued on ``worker``, without per-request overheads."""
-    per_token = model.coefficients_for(worker.role).per_token_seconds
-    return per_token * worker.num_queued_prefill_tokens * model.speed_of(worker.worker_id)
+    coefficients = model.coefficients_for(worker.role)
+    if worker.queued_prompts is not None:
+        overheads = coefficients.fixed_seconds * len(worker.queued_prompts) * model.speed_of(worker.worker_id)
+        return sum(queued_prompts_seconds(model, worker)) - overheads
+    return coefficients.per_token_seconds * worker.num_queued_prefill_tokens * model.speed_of(worker.worker_id)
 
 
 def queued_prompts_seconds(model: CostModel, worker: WorkerView) -> list[float]:
-    """What each prompt queued on ``worker`` still costs alone (one overhead plus its
-    tokens, at the worker's speed), oldest first; they sum to ``queued_prefill_seconds``."""
+    """What each prompt queued on ``worker`` still costs alone, oldest first: a prefill
+    of its tokens, attention included, at the worker's speed. The attention term matters:
+    fitted to real prefills it can carry most of a long prompt's time (a listed 1,195-token
+    prompt was priced 2.2 s by its linear term alone, where its own prefill was estimated
+    at 6.9 s and took 7.6 s). What the prompt shares with the cache is not listed, so its
+    tokens are priced as if nothing were cached before them."""
     coefficients = model.coefficients_for(worker.role)
     speed = model.speed_of(worker.worker_id)
-    return [(coefficients.fixed_seconds + coefficients.per_token_seconds * tokens) * speed
-            for tokens in worker.queued_prompts or ()]
+    return [prefill_seconds_with(coefficients, tokens, 0) * speed for tokens in worker.queued_prompts or ()]
 
 
 def shares_steps(worker: WorkerView) -> bool:
