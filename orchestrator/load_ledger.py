@@ -26,6 +26,12 @@ heartbeat are taken off its free count, and blocks of requests that finished sin
 
     free = heartbeat's free - reserved since that heartbeat + released since it
 
+and so is the count of running requests, which prices the slowdown a LOCAL prefill
+imposes on a decode worker (a request that ended a moment ago made a cold decode worker
+look busy enough to lose a plan it should have won)::
+
+    running = heartbeat's running - requests it counted that ended since it
+
 Pure: no clock, no socket. Single writer: the orchestrator's event loop (the service
 records dispatches and finished prefills, the fleet records heartbeats).
 """
@@ -55,6 +61,7 @@ class _WorkerLedger:
     finished: dict[str, int] = field(default_factory=dict)  # since the last heartbeat: request id -> tokens
     reservations: dict[str, _Reservation] = field(default_factory=dict)  # request id -> decode blocks
     released_blocks: int = 0  # since the last heartbeat, of reservations it had counted
+    released_requests: int = 0  # how many such reservations
 
 
 class LoadLedger:
@@ -82,6 +89,7 @@ class LoadLedger:
         reservation = ledger.reservations.pop(request_id, None) if ledger else None
         if reservation is not None and reservation.in_heartbeat:
             ledger.released_blocks += reservation.blocks
+            ledger.released_requests += 1
 
     def heartbeat(self, worker_id: str) -> None:
         """A fresh report from the worker already accounts for everything before it."""
@@ -89,6 +97,7 @@ class LoadLedger:
         if ledger is not None:
             ledger.finished.clear()
             ledger.released_blocks = 0
+            ledger.released_requests = 0
             for reservation in ledger.reservations.values():
                 reservation.in_heartbeat = True
 
@@ -115,6 +124,12 @@ class LoadLedger:
             return reported_free
         unreported = sum(r.blocks for r in ledger.reservations.values() if not r.in_heartbeat)
         return max(0, min(total, reported_free - unreported + ledger.released_blocks))
+
+    def running(self, worker_id: str, reported_running: int) -> int:
+        ledger = self._workers.get(worker_id)
+        if ledger is None:
+            return reported_running
+        return max(0, reported_running - ledger.released_requests)
 
     def _ledger(self, worker_id: str) -> _WorkerLedger:
         return self._workers.setdefault(worker_id, _WorkerLedger())

@@ -181,7 +181,8 @@ class CompletionService:
         queued = self.fleet.ledger.queued(worker.worker_id, QueuedWork(load.num_waiting,
                                                                        load.num_queued_prefill_tokens,
                                                                        load.queued_prefill))
-        return WorkerView(worker_id=worker.worker_id, role=role, num_running=load.num_running,
+        return WorkerView(worker_id=worker.worker_id, role=role,
+                          num_running=self.fleet.ledger.running(worker.worker_id, load.num_running),
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
                           num_free_blocks=self.fleet.ledger.free_blocks(worker.worker_id, load.num_free_blocks,
                                                                         load.num_total_blocks),

@@ -113,6 +113,28 @@ def test_free_blocks_stay_within_the_cache():
     assert ledger.free_blocks("unknown", reported_free=5, total=91) == 5
 
 
+def test_a_request_that_ended_after_the_heartbeat_no_longer_runs():
+    # A stale count made a cold decode worker look busy, so a LOCAL prefill there was
+    # charged the slowdown of a decode that had already ended.
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    ledger.reserved("d1", "r2", 12)
+    ledger.heartbeat("d1")
+    ledger.released("d1", "r1")
+    assert ledger.running("d1", reported_running=2) == 1
+    ledger.heartbeat("d1")
+    assert ledger.running("d1", reported_running=1) == 1
+
+
+def test_running_requests_never_go_below_zero():
+    ledger = LoadLedger()
+    ledger.reserved("d1", "r1", 12)
+    ledger.heartbeat("d1")
+    ledger.released("d1", "r1")
+    assert ledger.running("d1", reported_running=0) == 0
+    assert ledger.running("unknown", reported_running=3) == 3
+
+
 # ---------------------------------------------------------------- workers that list their queue
 
 
