@@ -66,6 +66,9 @@ class WorkerLoad(msgspec.Struct, forbid_unknown_fields=False):
     # The same tokens per request id, so an orchestrator can tell its own requests from
     # others' and drop those it saw prefilled since (None: a worker that does not say).
     queued_prefill: dict[str, int] | None = None
+    # Most prompt tokens the engine computes for one request in a step while others wait
+    # (0: a prompt may take whole steps, so queued prompts are served in turn).
+    prompt_step_cap: int = 0
 
 
 class KVLayoutSpec(msgspec.Struct, forbid_unknown_fields=False, frozen=True):

@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 class QueuedWork:
     num_waiting: int
     num_queued_prefill_tokens: int
-    per_request: Mapping[str, int] | None = None  # request id -> tokens, where the worker lists them
+    # request id -> tokens, where the worker lists them; from ``LoadLedger.queued``, with
+    # what this orchestrator knows better applied (finished ones gone, pending ones added)
+    per_request: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -113,10 +115,11 @@ class LoadLedger:
         if listed is None:
             tokens = max(sum(ledger.pending.values()),
                          reported.num_queued_prefill_tokens - sum(ledger.finished.values()))
-        else:
-            tokens = (sum(left for request_id, left in listed.items() if request_id not in ledger.finished)
-                      + sum(left for request_id, left in ledger.pending.items() if request_id not in listed))
-        return QueuedWork(num_waiting=num_waiting, num_queued_prefill_tokens=tokens, per_request=listed)
+            return QueuedWork(num_waiting=num_waiting, num_queued_prefill_tokens=tokens)
+        queued = {request_id: left for request_id, left in listed.items() if request_id not in ledger.finished}
+        queued.update((request_id, left) for request_id, left in ledger.pending.items() if request_id not in listed)
+        return QueuedWork(num_waiting=num_waiting, num_queued_prefill_tokens=sum(queued.values()),
+                          per_request=queued)
 
     def free_blocks(self, worker_id: str, reported_free: int, total: int) -> int:
         ledger = self._workers.get(worker_id)

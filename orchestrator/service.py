@@ -189,7 +189,9 @@ class CompletionService:
                           num_total_blocks=load.num_total_blocks,
                           block_size=load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=load.bytes_per_block,
                           in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks,
-                          resident_blocks=self.index.num_blocks(worker.worker_id))
+                          resident_blocks=self.index.num_blocks(worker.worker_id),
+                          queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
+                          prompt_step_cap=load.prompt_step_cap)
 
     # ------------------------------------------------------------ running
 

@@ -15,6 +15,7 @@ or ``--workload NAME``, a seeded generator of ``kvroute.bench.workloads`` (``--r
 ``--calibration FILE`` (JSON of ``SimCalibration`` fields), else the documented defaults.
 ``--cores N``: the engines share N CPU cores, bound as ``kvroute serve`` binds them
 (engine i on core i % N; ``simulator.cpu``); default 0, none shared.
+``--long-prefill-tokens``: each engine's per-prompt step cap, as the workers' flag (256).
 
 Output: ``DIR/results.json`` (settings, oracle, per-policy summaries and, unless
 ``--no-records``, per-request records).
@@ -44,6 +45,7 @@ from kvroute import identity  # noqa: E402
 from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds  # noqa: E402
 from kvroute.bench.trace import ScaledTrace, TraceScaling, load_trace  # noqa: E402
 from kvroute.bench.workloads import GENERATORS, generate_named, parse_options  # noqa: E402
+from kvroute.worker.settings import PREFILL_LONG_PREFILL_TOKENS  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.requests import replay_requests  # noqa: E402
@@ -65,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibration", type=Path, help="JSON of SimCalibration fields")
     parser.add_argument("--cores", type=int, default=0,
                         help="CPU cores the engines share, engine i bound to core i %% N (default: 0, none shared)")
+    parser.add_argument("--long-prefill-tokens", type=int, default=PREFILL_LONG_PREFILL_TOKENS,
+                        help="most prompt tokens one request computes a step while others wait, as the "
+                             "workers' flag (default: %(default)s; 0: whole steps in turn)")
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     source = load_requests(args)
     calibration = SimCalibration.from_json(args.calibration) if args.calibration else SimCalibration()
-    engine = EngineConfig(num_blocks=args.kv_blocks, block_size=args.block_size)
+    engine = EngineConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
+                          long_prefill_tokens=args.long_prefill_tokens)
     settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores))
     oracle = bounds(source, args)
     results = []

@@ -95,20 +95,23 @@ class Engine:
         self._held: list[list[BlockHash | None]] = []  # block tables of sent prefills (hold_sent_blocks)
 
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute, of requests with no output yet, as a worker's
-        heartbeat reports them (``kvroute.worker.queued_prefill``): what its prefill has
-        computed and what the cache already holds are done; a pulled prompt is no prefill
-        work. The worker learns of a chunk's blocks from KV events published after the
-        step that computes it, so a chunk in progress still counts here."""
-        size, total = self.config.block_size, 0
+        return sum(self.queued_prompts())
+
+    def queued_prompts(self) -> tuple[int, ...]:
+        """Prompt tokens each request with no output yet still has to compute, as a
+        worker's heartbeat lists them (``kvroute.worker.queued_prefill``): what its prefill
+        has computed and what the cache already holds are done; a pulled prompt is no
+        prefill work. The worker learns of a chunk's blocks from KV events published after
+        the step that computes it, so a chunk in progress still counts here."""
+        size, left = self.config.block_size, []
         for request in self.running:
             if request.awaiting_output and not request.remote:
-                total += request.num_prompt - request.num_computed
+                left.append(request.num_prompt - request.num_computed)
         for request in self.waiting:
             if request.awaiting_output and not request.remote:
                 cached = len(self._hit(request)) * size
-                total += request.num_prompt - max(cached, request.num_computed)
-        return total
+                left.append(request.num_prompt - max(cached, request.num_computed))
+        return tuple(left)
 
     # ------------------------------------------------------------ between steps
 

@@ -102,12 +102,14 @@ class SimWorker:
         if self._view is None:
             engine, pool = self.engine, self.engine.pool
             running, free = len(engine.running), pool.num_free
+            queued = engine.queued_prompts()
             if self.stats_at_step_end:
                 running = self._reported[0]
                 free = self._reported[1] if self.role == "prefill" else free  # the ledger's, for decode
             self._view = WorkerView(
                 worker_id=self.worker_id, role=self.role, num_running=running,
-                num_waiting=len(engine.waiting), num_queued_prefill_tokens=engine.queued_prefill_tokens(),
+                num_waiting=len(engine.waiting), num_queued_prefill_tokens=sum(queued),
+                queued_prompts=queued, prompt_step_cap=engine.config.long_prefill_tokens,
                 num_free_blocks=free, num_total_blocks=pool.num_total,
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
                 in_flight=self.in_flight, resident_blocks=pool.num_cached)

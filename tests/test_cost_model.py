@@ -70,6 +70,64 @@ def test_queue_wait_grows_with_queued_tokens_and_active_requests():
     assert cost.queue_wait_seconds(MODEL, worker(in_flight=4)) == pytest.approx(4 * 0.005)
 
 
+def queued_alone(tokens: int) -> float:
+    coefficients = MODEL.prefill
+    return (coefficients.fixed_seconds + tokens * coefficients.per_token_seconds
+            + coefficients.attention_seconds * tokens * tokens / 2)
+
+
+def sharing(*tokens: int) -> WorkerView:
+    return worker(num_waiting=len(tokens), num_queued_prefill_tokens=sum(tokens), queued_prompts=tokens,
+                  prompt_step_cap=256)
+
+
+def test_the_oldest_queued_prompt_is_waited_for_and_the_others_share_steps():
+    """Prompts of 1,000, 3,000 and 300 tokens queued (0.36, 0.98 and 0.143 s alone): a
+    0.5 s prefill waits for the oldest in full (a prompt alone takes whole steps), then
+    shares 0.5 s with the long one and 0.143 s with the short one, and delays them as much."""
+    queued = sharing(1000, 3000, 300)
+    shared = 0.5 + queued_alone(300)
+    assert cost.queue_wait_seconds(MODEL, queued, 0.5) == pytest.approx(queued_alone(1000) + shared + 3 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, queued, 0.5) == pytest.approx(shared)
+    # a prefill longer than every queued prompt waits for all of them, as in turn
+    in_turn = queued_alone(1000) + queued_alone(3000) + queued_alone(300)
+    assert cost.queue_wait_seconds(MODEL, queued, 5.0) == pytest.approx(in_turn + 3 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, queued, 5.0) == pytest.approx(in_turn - queued_alone(1000))
+
+
+def test_a_prompt_computing_alone_is_waited_for_in_full_and_not_delayed():
+    alone = sharing(3000)
+    assert cost.queue_wait_seconds(MODEL, alone, 0.1) == pytest.approx(queued_alone(3000) + 0.005)
+    assert cost.queue_delay_seconds(MODEL, alone, 0.1) == 0.0
+
+
+def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_delays_nothing():
+    in_turn = worker(num_waiting=2, num_queued_prefill_tokens=3300, queued_prompts=(3000, 300), prompt_step_cap=0)
+    assert cost.queue_wait_seconds(MODEL, in_turn, 0.5) == pytest.approx(
+        queued_alone(3000) + queued_alone(300) + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, in_turn, 0.5) == 0.0
+
+
+def test_a_worker_reporting_only_its_total_is_priced_by_the_linear_term_in_turn():
+    total_only = worker(num_waiting=2, num_queued_prefill_tokens=3300, prompt_step_cap=256)
+    assert cost.queue_wait_seconds(MODEL, total_only, 0.5) == pytest.approx(
+        2 * 0.05 + 3300 * MODEL.prefill.per_token_seconds + 2 * 0.005)
+    assert cost.queue_delay_seconds(MODEL, total_only, 0.5) == 0.0
+
+
+def test_listed_prompts_are_priced_with_their_attention():
+    """A long prompt's attention term is a large part of it once fitted to real prefills."""
+    heavy = replace(MODEL, prefill=PrefillCoefficients(0.05, 1e-3, 7e-6))
+    listed = worker(num_waiting=1, num_queued_prefill_tokens=1200, queued_prompts=(1200,))
+    assert cost.queued_prefill_seconds(heavy, listed) == pytest.approx(0.05 + 1.2 + 7e-6 * 1200 * 600)
+    assert cost.queued_prompt_seconds(heavy, listed) == pytest.approx(1.2 + 7e-6 * 1200 * 600)
+
+
+def test_the_shared_queue_runs_at_the_workers_measured_speed():
+    slow = replace(MODEL, prefill_speed={"w0": 2.0})
+    assert cost.queue_delay_seconds(slow, sharing(100, 3000), 10.0) == pytest.approx(2 * queued_alone(3000))
+
+
 def test_local_prefill_on_a_busy_decode_worker_is_penalised():
     assert cost.local_interference_seconds(MODEL, worker(role="decode"), 0.4) == 0.0
     assert cost.local_interference_seconds(MODEL, worker(role="decode", num_running=4), 0.4) == pytest.approx(0.4)

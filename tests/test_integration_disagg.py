@@ -17,6 +17,7 @@ from kvroute import kv_events, wire
 from kvroute.model_prep import resolve_model
 from kvroute.worker.queued_prefill import QueuedPrompt
 from kvroute.worker.resident import ResidentBlocks
+from kvroute.worker.settings import default_long_prefill_tokens
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
 from tests.cluster import (Clients, process_tree_cpu_cores, run_disaggregated, run_single, start_worker,
@@ -286,7 +287,10 @@ async def test_queued_prefill_finds_the_prefix_the_engine_stored(clients, tokeni
     and the cache salt on the first block."""
     prompt = chat_prompt(tokenizer, question(7))
     await run_single(clients.prefill, "queue-probe", prompt, wire.SamplingSpec(max_tokens=1), "queue-salt")
-    block_size = (await clients.prefill.stats()).load.block_size
+    load = (await clients.prefill.stats()).load
+    block_size = load.block_size
+    # the step cap tells orchestrators that the engine shares its steps between prompts
+    assert load.prompt_step_cap == default_long_prefill_tokens("prefill") > 0
     full = len(prompt) // block_size * block_size
     resident = ResidentBlocks()
     for _ in range(50):  # the worker applies the engine's events as they arrive

@@ -167,3 +167,20 @@ def test_listed_requests_seen_prefilled_since_drop_out(ledger):
 def test_a_listing_is_kept_for_the_planner(ledger):
     ledger.dispatched("w1", "r1", 10)
     assert ledger.queued("w1", listed(r1=4)).per_request == {"r1": 4}
+
+
+def test_the_planner_gets_the_listing_corrected_prompt_by_prompt(ledger):
+    # The planner prices a worker that shares its steps prompt by prompt, so the listing
+    # it gets must be the corrected one: finished requests gone, unlisted own ones added.
+    ledger.dispatched("w1", "r1", 4000)
+    ledger.dispatched("w1", "r2", 900)
+    ledger.dispatched("w1", "r3", 300)  # sent after the worker made its heartbeat
+    ledger.prefilled("w1", "r2")
+    work = ledger.queued("w1", listed(r1=1500, r2=120, other=700))
+    assert work.per_request == {"r1": 1500, "other": 700, "r3": 300}
+    assert work.num_queued_prefill_tokens == 2500
+
+
+def test_a_worker_that_reports_only_a_total_lists_nothing(ledger):
+    ledger.dispatched("w1", "r1", 4000)
+    assert ledger.queued("w1", QueuedWork(2, 5000)).per_request is None

@@ -3,6 +3,7 @@
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -277,3 +278,43 @@ def test_a_worker_measured_slower_loses_an_otherwise_equal_placement(speeds, exp
     decision = decide(prefill, [BUSY_DECODE], model)
     assert decision.chosen.prefill_worker == expected, decision.reason
 
+
+
+def cold_prompts_queued(*tokens: int) -> dict:
+    return dict(num_waiting=len(tokens), num_queued_prefill_tokens=sum(tokens), queued_prompts=tokens,
+                prompt_step_cap=256)
+
+
+def test_a_cold_prompt_goes_where_it_delays_no_queued_prompt():
+    """Prefill workers sharing their steps: a cold 900-token prompt behind two queued
+    short ones would reach its first token sooner than on a worker slowed to half speed
+    by a neighbour, but it would share steps with the second of them and delay it: the
+    two together lose more than the slowed worker costs."""
+    busy = worker("p0", **cold_prompts_queued(30, 650))
+    slowed = worker("p1", core_neighbours=(worker("d9", num_running=2),))
+    decision = decide([busy, slowed], [BUSY_DECODE])
+    by_worker = {plan.prefill_worker: plan.estimate for plan in decision.alternatives if plan.prefill_worker}
+    assert by_worker["p0"].ttft < by_worker["p1"].ttft  # the busy worker alone would be chosen
+    assert by_worker["p0"].queue_delay > 0 and by_worker["p1"].queue_delay == 0
+    assert decision.chosen.prefill_worker == "p1"
+    # the record says what a plan costs the queued prompts, chosen or runner-up
+    assert "delays queued prompts by" in decide([busy], [BUSY_DECODE]).reason
+
+
+def test_a_short_hit_still_joins_a_warm_worker_sharing_steps_with_cold_prompts():
+    """A hit computes a few tokens: behind the oldest prompt it takes little from the
+    others and gets its first token long before they end, where waiting in turn prices it
+    behind all of them (the cold idle worker then wins and recomputes the prefix)."""
+    warm = worker("p0", cached_blocks=PROMPT_BLOCKS, **cold_prompts_queued(100, 1200))
+    decision = decide([warm, worker("p1")], [BUSY_DECODE])
+    assert decision.chosen.prefill_worker == "p0"
+    assert decision.chosen.estimate.queue_delay < 0.3
+    in_turn = decide([replace(warm, prompt_step_cap=0), worker("p1")], [BUSY_DECODE])
+    assert in_turn.chosen.prefill_worker == "p1"
+
+
+def test_a_hit_behind_a_cold_prompt_computing_alone_waits_for_all_of_it():
+    """A prompt alone takes whole steps: a hit arriving meanwhile waits for its end, so a
+    long cold prompt there sends the hit to recompute on an idle worker."""
+    warm = worker("p0", cached_blocks=PROMPT_BLOCKS, **cold_prompts_queued(3000))
+    assert decide([warm, worker("p1")], [BUSY_DECODE]).chosen.prefill_worker == "p1"

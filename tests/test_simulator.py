@@ -350,6 +350,7 @@ def test_queued_prefill_tokens_are_what_is_left_to_compute():
     engine.submit(engine_request("follower", prompt + tokens(2, 40)))
     # The leader has 344 left; its first 256 tokens (16 blocks) are cached for the follower.
     assert engine.queued_prefill_tokens() == 344 + (640 - 256)
+    assert engine.queued_prompts() == (344, 640 - 256)  # the planner prices them one by one
     step = engine.schedule()  # the leader's next 256: in progress, still counted
     assert engine.queued_prefill_tokens() == 344 + (640 - 512)
     engine.complete(step, 1.0, 1.0)

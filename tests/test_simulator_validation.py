@@ -136,6 +136,15 @@ def test_views_show_the_load_as_of_the_last_step_end():
     assert worker.view().num_waiting == 0 and step.work
 
 
+def test_views_list_the_queued_prompts_and_the_step_cap_as_heartbeats_do():
+    worker = SimWorker("prefill-0", "prefill", EngineConfig(num_blocks=64, block_size=16, long_prefill_tokens=256), 100)
+    worker.engine.submit(engine_request("a", tokens(0, 300)))
+    worker.engine.submit(engine_request("b", tokens(1, 200)))
+    view = worker.view()
+    assert view.queued_prompts == (300, 200) and view.num_queued_prefill_tokens == 500
+    assert view.prompt_step_cap == 256
+
+
 def test_a_refused_pull_is_prefilled_again_on_the_decode_worker():
     requests = [TokenRequest(0, 0.0, 8, tokens(0, 900))]
     pulled = simulate(requests, "round_robin", 1, 1, CALIBRATION, settings=settings()).records[0]

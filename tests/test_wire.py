@@ -108,9 +108,14 @@ HEARTBEAT_V5_HEX = (  # before ``cores`` was appended
     HEARTBEAT_V4_HEX.replace("a46c6f6164" "87", "a46c6f6164" "88", 1)  # load: map of 8
     .replace(LOAD_V1_LAST, LOAD_V1_LAST + "ae7175657565645f70726566696c6c" "c0", 1)  # queued_prefill: nil
 )
-HEARTBEAT_HEX = (
+HEARTBEAT_V6_HEX = (  # before the load's ``prompt_step_cap`` was appended
     "8d" + HEARTBEAT_V5_HEX[2:]
     + "a5636f726573" "c0"  # cores: nil
+)
+LOAD_V2_LAST = "ae7175657565645f70726566696c6c" "c0"  # queued_prefill: the load's last field before
+HEARTBEAT_HEX = (
+    HEARTBEAT_V6_HEX.replace("a46c6f6164" "88", "a46c6f6164" "89", 1)  # load: map of 9
+    .replace(LOAD_V2_LAST, LOAD_V2_LAST + "af70726f6d70745f737465705f636170" "00", 1)  # prompt_step_cap: 0
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -237,9 +242,9 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
-                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
+                                              (HEARTBEAT_V6_HEX, HEARTBEAT), (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
                          ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
-                              "Heartbeat-v5", "PullBlocks-v1"])
+                              "Heartbeat-v5", "Heartbeat-v6", "PullBlocks-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
@@ -262,7 +267,8 @@ ROUND_TRIP = [
                      prompt_tokens=wire.PromptTokenCounters(computed=5, external_kv_transfer=11)),
     HEARTBEAT,
     wire.Heartbeat(worker_id="w", role="decode", incarnation="i", rpc_address="tcp://h:1",
-                   load=wire.WorkerLoad(num_queued_prefill_tokens=900, queued_prefill={"a": 880, "b": 20}), sent_at=2.0),
+                   load=wire.WorkerLoad(num_queued_prefill_tokens=900, queued_prefill={"a": 880, "b": 20},
+                                        prompt_step_cap=256), sent_at=2.0),
     wire.Heartbeat(worker_id="w", role="prefill", incarnation="i", rpc_address="tcp://h:1", load=wire.WorkerLoad(),
                    sent_at=3.0, cores=wire.CoreBinding(machine="boot-1", cores=(0, 2))),
     PULL_BLOCKS,

@@ -97,6 +97,7 @@ class Worker:
         return wire.WorkerLoad(
             num_running=self.stats.num_running, num_waiting=self.stats.num_waiting,
             num_queued_prefill_tokens=sum(queued.values()), queued_prefill=queued,
+            prompt_step_cap=self.settings.long_prefill_step_tokens,
             num_free_blocks=total - used, num_total_blocks=total,
             block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
 

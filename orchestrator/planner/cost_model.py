@@ -118,24 +118,81 @@ def active_requests(worker: WorkerView) -> int:
 
 
 def queued_prefill_seconds(model: CostModel, worker: WorkerView) -> float:
-    """Computing the prompts queued on ``worker``: linear term plus one fixed overhead per
-    waiting request (their attention term is unknown without their split, and small), at
-    the worker's own speed."""
+    """Computing the prompts queued on ``worker``, at the worker's own speed: each listed
+    prompt as a prefill of its own (``queued_prompts_seconds``), or, from a worker that
+    reports only a total, the linear term plus one fixed overhead per waiting request."""
+    if worker.queued_prompts is not None:
+        return sum(queued_prompts_seconds(model, worker))
     overheads = model.coefficients_for(worker.role).fixed_seconds * worker.num_waiting
     return overheads * model.speed_of(worker.worker_id) + queued_prompt_seconds(model, worker)
 
 
 def queued_prompt_seconds(model: CostModel, worker: WorkerView) -> float:
     """Computing the prompt tokens queued on ``worker``, without per-request overheads."""
-    per_token = model.coefficients_for(worker.role).per_token_seconds
-    return per_token * worker.num_queued_prefill_tokens * model.speed_of(worker.worker_id)
+    coefficients = model.coefficients_for(worker.role)
+    if worker.queued_prompts is not None:
+        overheads = coefficients.fixed_seconds * len(worker.queued_prompts) * model.speed_of(worker.worker_id)
+        return sum(queued_prompts_seconds(model, worker)) - overheads
+    return coefficients.per_token_seconds * worker.num_queued_prefill_tokens * model.speed_of(worker.worker_id)
 
 
-def queue_wait_seconds(model: CostModel, worker: WorkerView) -> float:
-    """Wait before a new prefill on ``worker`` starts, from the work already queued there:
-    the queued prompts are prefilled first, and every active request then shares the
-    forward passes with ours."""
-    return queued_prefill_seconds(model, worker) + model.interleave_seconds_per_active * active_requests(worker)
+def queued_prompts_seconds(model: CostModel, worker: WorkerView) -> list[float]:
+    """What each prompt queued on ``worker`` still costs alone, oldest first: a prefill
+    of its tokens, attention included, at the worker's speed. The attention term matters:
+    fitted to real prefills it can carry most of a long prompt's time (a listed 1,195-token
+    prompt was priced 2.2 s by its linear term alone, where its own prefill was estimated
+    at 6.9 s and took 7.6 s). What the prompt shares with the cache is not listed, so its
+    tokens are priced as if nothing were cached before them."""
+    coefficients = model.coefficients_for(worker.role)
+    speed = model.speed_of(worker.worker_id)
+    return [prefill_seconds_with(coefficients, tokens, 0) * speed for tokens in worker.queued_prompts or ()]
+
+
+def shares_steps(worker: WorkerView) -> bool:
+    """Whether ``worker``'s engine divides its steps between queued prompts (a per-prompt
+    step cap) and lists them oldest first, so the sharing can be priced prompt by prompt."""
+    return worker.prompt_step_cap > 0 and worker.queued_prompts is not None
+
+
+def shared_seconds(model: CostModel, worker: WorkerView, prefill_time: float) -> float:
+    """What a prefill of ``prefill_time`` and the prompts queued behind the oldest take
+    from one another under processor sharing: min(B_i, P) for each of B_i seconds."""
+    return sum(min(alone, prefill_time) for alone in queued_prompts_seconds(model, worker)[1:])
+
+
+def queue_wait_seconds(model: CostModel, worker: WorkerView, prefill_time: float = math.inf) -> float:
+    """Wait a new prefill of ``prefill_time`` on ``worker`` spends behind the work already
+    queued there, plus what every active request's share of the forward passes costs it.
+
+    An engine serving prompts in turn (no step cap, or a worker that does not list its
+    prompts) prefills everything queued first. vLLM's per-prompt step cap
+    (``long_prefill_token_threshold``) makes prompts share steps, but only while two or
+    more are scheduled: a prompt alone takes the whole step budget, so a lone cold prompt
+    is one long step and whatever arrives meanwhile waits for all of it. Measured on one
+    CPU core (1,300-token prompts, cap 256): a cold prompt arriving 1 s after another had
+    its first token 7.6 s after the first one's, and a 40-token hit arriving then waited
+    for the whole of it; two prompts arriving together shared every step and finished
+    1.4 s apart. So the oldest queued prompt is waited for in full, and the others share
+    steps with the new one: processor sharing, where a job of P seconds beside jobs of
+    B_i seconds ends after P + sum(min(B_i, P)). In a real replay, three ~1,250-token
+    cold prompts placed on one worker within 8 s behind a fourth shared its steps and had
+    their first tokens after 13.3, 10.9 and 8.5 s, where waiting in turn was estimated at
+    5.3-6.4 s."""
+    if shares_steps(worker):
+        alone = queued_prompts_seconds(model, worker)
+        queued = (alone[0] if alone else 0.0) + shared_seconds(model, worker, prefill_time)
+    else:
+        queued = queued_prefill_seconds(model, worker)
+    return queued + model.interleave_seconds_per_active * active_requests(worker)
+
+
+def queue_delay_seconds(model: CostModel, worker: WorkerView, prefill_time: float) -> float:
+    """What a new prefill of ``prefill_time`` adds to the first-token times of the prompts
+    already queued on ``worker``: nothing where they are served first, min(B_i, P) to each
+    behind the oldest where the engine shares its steps between them. Not part of the new
+    request's TTFT; the planner charges it to the placement, so a burst of cold prompts
+    spreads over the pool instead of slowing one another on one worker."""
+    return shared_seconds(model, worker, prefill_time) if shares_steps(worker) else 0.0
 
 
 def neighbour_busy_seconds(model: CostModel, neighbour: WorkerView) -> float:

@@ -3,7 +3,8 @@ in seconds (DESIGN.md section 3). Pure: everything it needs is passed in.
 
     prune pools -> enumerate LOCAL and DISAGG plans -> estimate + mark infeasible -> rank -> explain
 
-Ranking: by least TTFT (plus the interference a LOCAL prefill causes), where a plan
+Ranking: by least TTFT (plus the interference a LOCAL prefill causes, and the delay a
+prefill adds to the prompts queued on a worker that shares its steps), where a plan
 whose hand-off gap exceeds the bound is charged its whole gap as well. A gap within the
 bound is free; one past it costs what it costs, so a plan just over the bound still
 beats one that makes the client wait many times longer for its first token (a strict
@@ -83,10 +84,12 @@ def tie_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSettings)
 
 
 def ranking_seconds(plan: Plan, settings: PlannerSettings) -> float:
-    """What a plan costs: its TTFT, the interference it causes, and its gap if over the bound."""
+    """What a plan costs: its TTFT, what it costs others (running decodes it stalls,
+    queued prompts it delays), and its gap if over the bound."""
     estimate = plan.estimate
     over_bound = estimate.gap > settings.gap_bound_seconds
-    return estimate.ttft + estimate.interference + (estimate.gap if over_bound else 0.0)
+    return (estimate.ttft + estimate.interference + estimate.queue_delay
+            + (estimate.gap if over_bound else 0.0))
 
 
 def cache_fill(plan: Plan, views: dict[str, WorkerView]) -> float:
@@ -112,7 +115,8 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
     if len(ranked) > 1:
         runner_up = ranked[1]
         reason += (f"; vs TTFT {runner_up.estimate.ttft:.3f} s for {describe(runner_up)} "
-                   f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s)")
+                   f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s"
+                   f"{charges(runner_up)})")
         reason += tie_reason(chosen, runner_up, views, settings)
     return reason
 
@@ -146,8 +150,16 @@ def timing(plan: Plan) -> str:
     text = f"TTFT {estimate.ttft:.3f} s (queue {estimate.queue_wait:.3f} s), gap {estimate.gap:.3f} s"
     if estimate.contention > 0:
         text += f", {estimate.contention:.3f} s of it for engines sharing its cores"
+    return text + charges(plan)
+
+
+def charges(plan: Plan) -> str:
+    """What the plan costs other requests, charged when ranking it."""
+    estimate, text = plan.estimate, ""
     if estimate.interference > 0:
         text += f", slows running decodes by {estimate.interference:.3f} s"
+    if estimate.queue_delay > 0:
+        text += f", delays queued prompts by {estimate.queue_delay:.3f} s"
     return text
 
 

@@ -6,6 +6,8 @@ estimates computed the same way and can be compared side by side.
     LOCAL d:     ttft = queue_wait(d) + prefill(d) + contention(d)   gap = 0   (+ interference on d)
     DISAGG p->d: ttft = queue_wait(p) + prefill(p) + contention(p)   gap = transfer(p->d) + admission(d)
 
+(+ queue_delay: what the prefill adds to the prompts queued on its worker, where they share steps)
+
 ``admission(d)`` includes what is left of d's own queued prefills when the blocks arrive.
 
 ``contention`` is what busy engines on the prefilling worker's CPU cores add.
@@ -88,13 +90,13 @@ def decode_problem_for(request: RequestView, settings: PlannerSettings) -> Calla
 
 def local_plan(request: RequestView, decode: WorkerView, model: CostModel, settings: PlannerSettings) -> Plan:
     reused = reused_tokens(request, decode)
-    queue_wait = cost.queue_wait_seconds(model, decode)
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role, decode.worker_id)
+    queue_wait = cost.queue_wait_seconds(model, decode, prefill)
     contention = cost.contention_seconds(model, decode, queue_wait + prefill)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0,
                         ttft=queue_wait + prefill + contention, gap=0.0, reused_tokens=reused, transfer_bytes=0,
                         interference=cost.local_interference_seconds(model, decode, prefill),
-                        contention=contention)
+                        contention=contention, queue_delay=cost.queue_delay_seconds(model, decode, prefill))
     problem = decode_worker_problem(decode, request, settings) or queue_problem(decode, settings)
     return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
 
@@ -103,16 +105,17 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
                 model: CostModel, settings: PlannerSettings) -> Plan:
     """The decode worker pulls only the prompt blocks it does not already hold."""
     reused = reused_tokens(request, prefill_worker)
-    queue_wait = cost.queue_wait_seconds(model, prefill_worker)
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, prefill_worker.role,
                                    prefill_worker.worker_id)
+    queue_wait = cost.queue_wait_seconds(model, prefill_worker, prefill)
     missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
     contention = cost.contention_seconds(model, prefill_worker, queue_wait + prefill)
     ttft = queue_wait + prefill + contention
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
                         ttft=ttft, gap=transfer + cost.admission_seconds(model, decode, ttft + transfer),
-                        reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention)
+                        reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention,
+                        queue_delay=cost.queue_delay_seconds(model, prefill_worker, prefill))
     problem = (prefill_worker_problem(prefill_worker, settings)
                or decode_worker_problem(decode, request, settings))
     return Plan(PlanKind.DISAGG, decode.worker_id, prefill_worker.worker_id, estimate, not problem, problem)

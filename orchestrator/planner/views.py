@@ -34,6 +34,11 @@ class WorkerView:
     # Busy engines bound to one of this worker's CPU cores (``orchestrator.core_sharing``):
     # while they compute, this one computes slower.
     core_neighbours: tuple["WorkerView", ...] = ()
+    # Tokens each queued prompt still has to compute (None: the worker reports only the
+    # total), and the most tokens its engine gives one prompt a step (0: prompts take
+    # whole steps in turn). With both, the queue is priced as the engine shares it.
+    queued_prompts: tuple[int, ...] | None = None
+    prompt_step_cap: int = 0
 
     @property
     def cache_fill(self) -> float:
@@ -67,6 +72,10 @@ class Estimate:
     # Seconds the queue and prefill take longer because busy engines share the prefilling
     # worker's CPU cores; part of ``ttft``.
     contention: float = 0.0
+    # Seconds this prefill adds, in all, to the first tokens of the prompts already queued
+    # on its worker (an engine sharing its steps between them). Not part of ``ttft``;
+    # the cache-aware planner adds it when ranking, as it does ``interference``.
+    queue_delay: float = 0.0
 
 
 @dataclass(frozen=True)
