@@ -69,6 +69,9 @@ class WorkerLoad(msgspec.Struct, forbid_unknown_fields=False):
     # Most prompt tokens the engine computes for one request in a step while others wait
     # (0: a prompt may take whole steps, so queued prompts are served in turn).
     prompt_step_cap: int = 0
+    # Seconds the oldest queued prompt has computed since its listed tokens last changed:
+    # a prompt alone takes whole engine steps, and its progress inside one shows nowhere else.
+    head_prompt_age: float = 0.0
 
 
 class KVLayoutSpec(msgspec.Struct, forbid_unknown_fields=False, frozen=True):

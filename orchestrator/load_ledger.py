@@ -32,7 +32,14 @@ look busy enough to lose a plan it should have won)::
 
     running = heartbeat's running - requests it counted that ended since it
 
-Pure: no clock, no socket. Single writer: the orchestrator's event loop (the service
+How long the oldest queued prompt has been computing matters as much as its size: vLLM
+gives a prompt alone the whole step, so a lone cold prompt is one long engine step whose
+progress no listing shows until it ends. The worker reports the age of its oldest
+prompt's current step (``WorkerLoad.head_prompt_age``); where that prompt finished since
+the heartbeat, or the heartbeat did not list it yet, the ledger dates the new oldest
+prompt from the later of its dispatch and the last prefill it saw end there.
+
+Pure: no clock (callers pass the time), no socket. Single writer: the orchestrator's event loop (the service
 records dispatches and finished prefills, the fleet records heartbeats).
 """
 
@@ -49,6 +56,9 @@ class QueuedWork:
     # request id -> tokens, where the worker lists them; from ``LoadLedger.queued``, with
     # what this orchestrator knows better applied (finished ones gone, pending ones added)
     per_request: Mapping[str, int] | None = None
+    # Seconds the oldest prompt of ``per_request`` has computed without its listed tokens
+    # changing (reported: at the heartbeat, plus the heartbeat's age).
+    head_age: float = 0.0
 
 
 @dataclass
@@ -60,6 +70,8 @@ class _Reservation:
 @dataclass
 class _WorkerLedger:
     pending: dict[str, int] = field(default_factory=dict)  # request id -> prefill tokens
+    dispatched_at: dict[str, float] = field(default_factory=dict)  # of pending requests
+    last_prefilled_at: float = float("-inf")  # when a prefill last ended there
     finished: dict[str, int] = field(default_factory=dict)  # since the last heartbeat: request id -> tokens
     reservations: dict[str, _Reservation] = field(default_factory=dict)  # request id -> decode blocks
     released_blocks: int = 0  # since the last heartbeat, of reservations it had counted
@@ -70,16 +82,20 @@ class LoadLedger:
     def __init__(self):
         self._workers: dict[str, _WorkerLedger] = {}
 
-    def dispatched(self, worker_id: str, request_id: str, prefill_tokens: int) -> None:
+    def dispatched(self, worker_id: str, request_id: str, prefill_tokens: int, now: float) -> None:
         """``worker_id`` was just asked to prefill ``prefill_tokens`` for ``request_id``."""
-        self._ledger(worker_id).pending[request_id] = max(0, prefill_tokens)
+        ledger = self._ledger(worker_id)
+        ledger.pending[request_id] = max(0, prefill_tokens)
+        ledger.dispatched_at[request_id] = now
 
-    def prefilled(self, worker_id: str, request_id: str) -> None:
+    def prefilled(self, worker_id: str, request_id: str, now: float) -> None:
         """The request's prefill on ``worker_id`` is over (its first token arrived, or it ended)."""
         ledger = self._workers.get(worker_id)
         if ledger is None or request_id not in ledger.pending:
             return
         ledger.finished[request_id] = ledger.pending.pop(request_id)
+        del ledger.dispatched_at[request_id]
+        ledger.last_prefilled_at = now
 
     def reserved(self, worker_id: str, request_id: str, blocks: int) -> None:
         """``worker_id`` will hold up to ``blocks`` KV blocks for ``request_id`` while it decodes."""
@@ -106,7 +122,7 @@ class LoadLedger:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def queued(self, worker_id: str, reported: QueuedWork) -> QueuedWork:
+    def queued(self, worker_id: str, reported: QueuedWork, now: float) -> QueuedWork:
         ledger = self._workers.get(worker_id)
         if ledger is None:
             return reported
@@ -119,7 +135,7 @@ class LoadLedger:
         queued = {request_id: left for request_id, left in listed.items() if request_id not in ledger.finished}
         queued.update((request_id, left) for request_id, left in ledger.pending.items() if request_id not in listed)
         return QueuedWork(num_waiting=num_waiting, num_queued_prefill_tokens=sum(queued.values()),
-                          per_request=queued)
+                          per_request=queued, head_age=_head_age(ledger, listed, queued, reported.head_age, now))
 
     def free_blocks(self, worker_id: str, reported_free: int, total: int) -> int:
         ledger = self._workers.get(worker_id)
@@ -136,3 +152,17 @@ class LoadLedger:
 
     def _ledger(self, worker_id: str) -> _WorkerLedger:
         return self._workers.setdefault(worker_id, _WorkerLedger())
+
+
+def _head_age(ledger: _WorkerLedger, listed: Mapping[str, int], queued: Mapping[str, int], reported_age: float,
+              now: float) -> float:
+    """How long the oldest of ``queued`` has been computing: as reported, if the heartbeat
+    listed it first; else since the later of its dispatch and the last prefill that ended
+    on the worker (which is when an engine serving prompts in turn started it)."""
+    head = next(iter(queued), None)
+    if head is None:
+        return 0.0
+    if head == next(iter(listed), None):
+        return reported_age
+    started = max(ledger.dispatched_at.get(head, float("-inf")), ledger.last_prefilled_at)
+    return max(0.0, now - started) if started > float("-inf") else 0.0

@@ -177,10 +177,10 @@ class CompletionService:
         return views[:len(prefill)], views[len(prefill):]
 
     def _view(self, worker, role: str, cached_blocks: int) -> WorkerView:
-        load = worker.load
-        queued = self.fleet.ledger.queued(worker.worker_id, QueuedWork(load.num_waiting,
-                                                                       load.num_queued_prefill_tokens,
-                                                                       load.queued_prefill))
+        load, now = worker.load, time.monotonic()
+        reported = QueuedWork(load.num_waiting, load.num_queued_prefill_tokens, load.queued_prefill,
+                              head_age=load.head_prompt_age + max(0.0, now - worker.last_seen))
+        queued = self.fleet.ledger.queued(worker.worker_id, reported, now)
         return WorkerView(worker_id=worker.worker_id, role=role,
                           num_running=self.fleet.ledger.running(worker.worker_id, load.num_running),
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
@@ -191,7 +191,7 @@ class CompletionService:
                           in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks,
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
-                          prompt_step_cap=load.prompt_step_cap)
+                          head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap)
 
     # ------------------------------------------------------------ running
 
@@ -253,7 +253,7 @@ class CompletionService:
             raise failure from error
         finally:
             self._report_health(plan, *health)
-            self.fleet.ledger.prefilled(prefilling, attempt.request_id)
+            self.fleet.ledger.prefilled(prefilling, attempt.request_id, time.monotonic())
             self.fleet.ledger.released(plan.decode_worker, attempt.request_id)
             if handoff.first_token_at is None:  # failed, or the client left: nothing stored to count on
                 self.index.release(prefilling, attempt.request_id)
@@ -286,7 +286,8 @@ class CompletionService:
     def _reserve(self, plan: Plan, job: Job, prefilling: str, block_size: int) -> None:
         """Tell the ledger what this request will cost its workers until their next heartbeat."""
         reused = plan.estimate.reused_tokens if plan.estimate else 0
-        self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused)
+        self.fleet.ledger.dispatched(prefilling, job.request_id, len(job.prompt_token_ids) - reused,
+                                     time.monotonic())
         lifetime_tokens = len(job.prompt_token_ids) + max(job.sampling.max_tokens, 0)
         self.fleet.ledger.reserved(plan.decode_worker, job.request_id, -(-lifetime_tokens // block_size))
 
@@ -306,7 +307,7 @@ class CompletionService:
             async for chunk in chunks:
                 if not prefilled and (chunk.token_ids or chunk.finished):
                     prefilled = True
-                    self.fleet.ledger.prefilled(prefilling, job.request_id)
+                    self.fleet.ledger.prefilled(prefilling, job.request_id, time.monotonic())
                     self.index.settle(prefilling, job.request_id, time.monotonic())
                 yield chunk
 

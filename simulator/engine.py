@@ -44,6 +44,7 @@ for each step, and ``submit`` / ``pull_done`` between steps.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvroute.identity import BlockHash
@@ -103,15 +104,16 @@ class Engine:
         has computed and what the cache already holds are done; a pulled prompt is no
         prefill work. The worker learns of a chunk's blocks from KV events published after
         the step that computes it, so a chunk in progress still counts here."""
-        size, left = self.config.block_size, []
-        for request in self.running:
-            if request.awaiting_output and not request.remote:
-                left.append(request.num_prompt - request.num_computed)
-        for request in self.waiting:
-            if request.awaiting_output and not request.remote:
-                cached = len(self._hit(request)) * size
-                left.append(request.num_prompt - max(cached, request.num_computed))
+        size = self.config.block_size
+        left = [request.num_prompt - request.num_computed for request in prefilling(self.running)]
+        left.extend(request.num_prompt - max(len(self._hit(request)) * size, request.num_computed)
+                    for request in prefilling(self.waiting))
         return tuple(left)
+
+    def oldest_queued_at(self) -> float | None:
+        """When the first request ``queued_prompts`` lists was submitted (None: none)."""
+        oldest = next(prefilling(self.running), None) or next(prefilling(self.waiting), None)
+        return None if oldest is None else oldest.submitted_at
 
     # ------------------------------------------------------------ between steps
 
@@ -361,6 +363,11 @@ class Engine:
     def _release(self, request: EngineRequest) -> None:
         self.pool.release(request.blocks)
         request.blocks = []
+
+
+def prefilling(requests: Iterable[EngineRequest]) -> Iterator[EngineRequest]:
+    """Those of ``requests`` with no output yet that compute their prompt on this engine."""
+    return (request for request in requests if request.awaiting_output and not request.remote)
 
 
 def capped(tokens: int, cap: int) -> int:

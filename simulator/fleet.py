@@ -98,7 +98,16 @@ class SimWorker:
         """A step ended (or the engine went idle): vLLM makes its scheduler stats now."""
         self._reported = (len(self.engine.running), self.engine.pool.num_free)
 
-    def view(self) -> WorkerView:
+    def view(self, now: float) -> WorkerView:
+        """What a heartbeat and the ledger would tell the planner now. The oldest queued
+        prompt's age moves with the clock, so it is added to the cached view."""
+        view = self._static_view()
+        oldest = self.engine.oldest_queued_at()
+        if oldest is None or self.active is None:
+            return view
+        return replace(view, head_prompt_elapsed=max(0.0, now - max(oldest, self.active.started_at)))
+
+    def _static_view(self) -> WorkerView:
         if self._view is None:
             engine, pool = self.engine, self.engine.pool
             running, free = len(engine.running), pool.num_free
@@ -141,8 +150,8 @@ class SimFleet:
         for event in worker.engine.pool.take_events():
             self.index.apply(worker.worker_id, event)
 
-    def views(self, role: str, matches: dict[str, int]) -> list[WorkerView]:
-        views = [worker.view() for worker in self.pools[role]]
+    def views(self, role: str, matches: dict[str, int], now: float) -> list[WorkerView]:
+        views = [worker.view(now) for worker in self.pools[role]]
         positions = self._positions[role]
         for worker_id, blocks in matches.items():
             position = positions.get(worker_id)

@@ -40,6 +40,7 @@ class EngineRequest:
     cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's num_cached_tokens)
     awaiting_output: bool = True  # no output yet: counted in the engine's queued prefill tokens
     hold_blocks: bool = False  # a DISAGG prefill: the connector holds its blocks for the pull
+    submitted_at: float = 0.0  # when its engine accepted it
 
     @property
     def num_prompt(self) -> int:

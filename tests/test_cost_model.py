@@ -101,6 +101,17 @@ def test_a_prompt_computing_alone_is_waited_for_in_full_and_not_delayed():
     assert cost.queue_delay_seconds(MODEL, alone, 0.1) == 0.0
 
 
+def test_the_part_of_the_oldest_prompt_already_computed_is_not_waited_for():
+    """A 3,000-token prompt alone (0.98 s) that has computed 0.6 s inside its one engine
+    step leaves 0.38 s; one past its estimate is priced at a tenth of it, not as done."""
+    started = replace(sharing(3000), head_prompt_elapsed=0.6)
+    assert cost.queue_wait_seconds(MODEL, started, 0.1) == pytest.approx(queued_alone(3000) - 0.6 + 0.005)
+    late = replace(sharing(3000), head_prompt_elapsed=5.0)
+    assert cost.queue_wait_seconds(MODEL, late, 0.1) == pytest.approx(0.1 * queued_alone(3000) + 0.005)
+    behind = replace(sharing(3000, 300), head_prompt_elapsed=0.6)  # only the oldest has started
+    assert cost.queued_prompts_seconds(MODEL, behind) == pytest.approx([queued_alone(3000) - 0.6, queued_alone(300)])
+
+
 def test_a_worker_serving_in_turn_makes_a_new_prefill_wait_for_everything_and_delays_nothing():
     in_turn = worker(num_waiting=2, num_queued_prefill_tokens=3300, queued_prompts=(3000, 300), prompt_step_cap=0)
     assert cost.queue_wait_seconds(MODEL, in_turn, 0.5) == pytest.approx(

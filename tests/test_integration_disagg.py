@@ -310,3 +310,24 @@ async def test_queued_prefill_finds_the_prefix_the_engine_stored(clients, tokeni
     follower = QueuedPrompt(wire.GenerateRequest(request_id="f", prompt_token_ids=prompt + [13] * 50,
                                                  cache_salt="queue-salt"))
     assert follower.tokens_left(resident) == len(prompt) + 50 - full
+
+
+async def test_a_prompt_computing_alone_reports_how_long_it_has_computed(clients, tokenizer):
+    """vLLM computes a lone prompt in one step, so its listing does not shrink while it
+    runs; the age of the oldest prompt (``WorkerLoad.head_prompt_age``) is what shows
+    how much of it is done."""
+    prompt = chat_prompt(tokenizer, question(7))
+    request = wire.GenerateRequest(request_id="age-probe", prompt_token_ids=prompt,
+                                   sampling=wire.SamplingSpec(max_tokens=1), cache_salt="age-probe-salt")
+    running = asyncio.create_task(_collect_chunks(clients.prefill, request))
+    seen: list[tuple[int, float]] = []
+    while not running.done():
+        load = (await clients.prefill.stats()).load
+        if "age-probe" in (load.queued_prefill or {}):
+            seen.append((load.queued_prefill["age-probe"], load.head_prompt_age))
+        await asyncio.sleep(0.02)
+    await running
+    assert len(seen) >= 2, f"the prefill ended before two reports listed it: {seen}"
+    assert seen[0][0] == seen[-1][0] == len(prompt)  # no progress shows in the listing
+    assert 0 <= seen[0][1] < seen[-1][1]  # but the age grows
+    assert (await clients.prefill.stats()).load.head_prompt_age == 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute import kv_events, wire
-from kvroute.worker.queued_prefill import QueuedPrompt, queued_prefill, tokens_to_compute
+from kvroute.worker.queued_prefill import QueuedPrompt, head_prompt_age, queued_prefill, tokens_to_compute
 from kvroute.worker.resident import PrefixProgress, ResidentBlocks
 
 BLOCK = 4
@@ -113,3 +113,12 @@ def test_a_warm_prompt_behind_a_cold_one_counts_only_its_new_tokens():
     resident = resident_with(first_blocks(4))
     follower = QueuedPrompt(generate(PROMPT + [7, 7, 7]))
     assert follower.tokens_left(resident) == 5
+
+
+def test_the_oldest_prompt_s_age_counts_from_the_engine_s_last_step_or_its_arrival():
+    oldest = QueuedPrompt(generate(), accepted_at=100.0)
+    later = QueuedPrompt(generate(), accepted_at=101.0)
+    prompts = {"a": oldest, "b": later}
+    assert head_prompt_age(prompts, last_step_end=90.0, now=103.0) == 3.0  # an idle engine took it at once
+    assert head_prompt_age(prompts, last_step_end=102.5, now=103.0) == 0.5  # its listing changed at 102.5
+    assert head_prompt_age({}, last_step_end=102.5, now=103.0) == 0.0

@@ -10,7 +10,7 @@ from orchestrator.planner.policies import POLICIES
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate
 from simulator.cpu import Cores
 from simulator.engine import Engine
-from simulator.fleet import SimWorker
+from simulator.fleet import ActiveStep, SimWorker
 from simulator.from_replay import (calibration_from_replay, cluster_from_replay, failed_pulls, fit_link,
                                    nonnegative_line)
 from simulator.records import FINISHED, REJECTED
@@ -129,20 +129,31 @@ def test_views_show_the_load_as_of_the_last_step_end():
                        stats_at_step_end=True)
     worker.engine.submit(engine_request("a", tokens(0, 100)))
     step = worker.engine.schedule()
-    assert (worker.view().num_running, worker.view().num_free_blocks) == (0, 64)  # mid-step: the old report
+    assert (worker.view(0.0).num_running, worker.view(0.0).num_free_blocks) == (0, 64)  # mid-step: the old report
     worker.report()
     worker.touch()
-    assert (worker.view().num_running, worker.view().num_free_blocks) == (1, 57)
-    assert worker.view().num_waiting == 0 and step.work
+    assert (worker.view(0.0).num_running, worker.view(0.0).num_free_blocks) == (1, 57)
+    assert worker.view(0.0).num_waiting == 0 and step.work
 
 
 def test_views_list_the_queued_prompts_and_the_step_cap_as_heartbeats_do():
     worker = SimWorker("prefill-0", "prefill", EngineConfig(num_blocks=64, block_size=16, long_prefill_tokens=256), 100)
     worker.engine.submit(engine_request("a", tokens(0, 300)))
     worker.engine.submit(engine_request("b", tokens(1, 200)))
-    view = worker.view()
+    view = worker.view(0.0)
     assert view.queued_prompts == (300, 200) and view.num_queued_prefill_tokens == 500
     assert view.prompt_step_cap == 256
+
+
+def test_views_date_the_oldest_prompt_from_the_step_computing_it():
+    worker = SimWorker("prefill-0", "prefill", EngineConfig(num_blocks=64, block_size=16, long_prefill_tokens=256), 100)
+    request = engine_request("a", tokens(0, 300))
+    request.submitted_at = 4.0
+    worker.engine.submit(request)
+    assert worker.view(5.0).head_prompt_elapsed == 0.0  # no step computes it yet
+    worker.active = ActiveStep(worker.engine.schedule(), started_at=4.5, step_seconds=2.0, version=0)
+    assert worker.view(5.25).head_prompt_elapsed == pytest.approx(0.75)
+    assert worker.view(5.25).queued_prompts == (300,)  # the listing shows no progress inside the step
 
 
 def test_a_refused_pull_is_prefilled_again_on_the_decode_worker():

@@ -113,9 +113,14 @@ HEARTBEAT_V6_HEX = (  # before the load's ``prompt_step_cap`` was appended
     + "a5636f726573" "c0"  # cores: nil
 )
 LOAD_V2_LAST = "ae7175657565645f70726566696c6c" "c0"  # queued_prefill: the load's last field before
-HEARTBEAT_HEX = (
+HEARTBEAT_V7_HEX = (  # before the load's ``head_prompt_age`` was appended
     HEARTBEAT_V6_HEX.replace("a46c6f6164" "88", "a46c6f6164" "89", 1)  # load: map of 9
     .replace(LOAD_V2_LAST, LOAD_V2_LAST + "af70726f6d70745f737465705f636170" "00", 1)  # prompt_step_cap: 0
+)
+LOAD_V3_LAST = "af70726f6d70745f737465705f636170" "00"  # prompt_step_cap: the load's last field before
+HEARTBEAT_HEX = (
+    HEARTBEAT_V7_HEX.replace("a46c6f6164" "89", "a46c6f6164" "8a", 1)  # load: map of 10
+    .replace(LOAD_V3_LAST, LOAD_V3_LAST + "af686561645f70726f6d70745f616765" "cb" + "00" * 8, 1)  # head_prompt_age: 0.0
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -242,9 +247,10 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
-                                              (HEARTBEAT_V6_HEX, HEARTBEAT), (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
+                                              (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
+                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
                          ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
-                              "Heartbeat-v5", "Heartbeat-v6", "PullBlocks-v1"])
+                              "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

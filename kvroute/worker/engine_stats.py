@@ -6,6 +6,7 @@ worker process, so one writer updates ``EngineStats`` and readers see whole valu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -21,6 +22,7 @@ class EngineStats:
     prompt_computed: int = 0
     prompt_local_cache_hit: int = 0
     prompt_external: int = 0
+    last_step_end: float = float("-inf")  # time.monotonic() when the engine last finished a step
 
     def prompt_tokens(self) -> PromptTokenCounters:
         return PromptTokenCounters(computed=self.prompt_computed,
@@ -44,6 +46,7 @@ class EngineStats:
         return _Recorder
 
     def observe(self, scheduler_stats, iteration_stats) -> None:
+        self.last_step_end = time.monotonic()
         if scheduler_stats is not None:
             self.num_running = scheduler_stats.num_running_reqs
             self.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs

@@ -27,7 +27,7 @@ from kvroute.worker.engine_stats import EngineStats
 from kvroute.model_prep import model_fingerprint
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
 from kvroute.worker.prefill_probe import probe_prefill
-from kvroute.worker.queued_prefill import queued_prefill
+from kvroute.worker.queued_prefill import head_prompt_age, queued_prefill
 from kvroute.worker.resident import ResidentBlocks, follow
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
@@ -93,11 +93,13 @@ class Worker:
         config = self.engine.vllm_config.cache_config
         total = config.num_gpu_blocks or 0
         used = round(self.stats.kv_cache_usage * total)
-        queued = queued_prefill(self.server.prompts_waiting, self.resident) if self.server else {}
+        waiting = self.server.prompts_waiting if self.server else {}
+        queued = queued_prefill(waiting, self.resident)
         return wire.WorkerLoad(
             num_running=self.stats.num_running, num_waiting=self.stats.num_waiting,
             num_queued_prefill_tokens=sum(queued.values()), queued_prefill=queued,
             prompt_step_cap=self.settings.long_prefill_step_tokens,
+            head_prompt_age=head_prompt_age(waiting, self.stats.last_step_end, time.monotonic()),
             num_free_blocks=total - used, num_total_blocks=total,
             block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
 

@@ -11,6 +11,7 @@ request with that prefix elsewhere, to recompute it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ def tokens_to_compute(request: wire.GenerateRequest, cached_tokens: int = 0) -> 
 class QueuedPrompt:
     request: wire.GenerateRequest
     progress: PrefixProgress = field(default_factory=PrefixProgress)
+    accepted_at: float = field(default_factory=time.monotonic)
 
     def tokens_left(self, resident: ResidentBlocks) -> int:
         cached = resident.cached_prefix_tokens(self.request.prompt_token_ids, self.request.cache_salt,
@@ -43,3 +45,14 @@ class QueuedPrompt:
 def queued_prefill(prompts: Mapping[str, QueuedPrompt], resident: ResidentBlocks) -> dict[str, int]:
     """Request id → prompt tokens still to compute, for every request with no output yet."""
     return {request_id: prompt.tokens_left(resident) for request_id, prompt in prompts.items()}
+
+
+def head_prompt_age(prompts: Mapping[str, QueuedPrompt], last_step_end: float, now: float) -> float:
+    """Seconds the oldest queued prompt has computed since its listed tokens could last
+    have changed: since the engine's last step ended, or since it was accepted if later.
+    The engine serves the oldest first, and a prompt alone is one step, so this is the
+    part of it already done (0 with nothing queued)."""
+    oldest = next(iter(prompts.values()), None)
+    if oldest is None:
+        return 0.0
+    return max(0.0, now - max(oldest.accepted_at, last_step_end))

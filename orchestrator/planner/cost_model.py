@@ -51,6 +51,8 @@ DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE = 0.005
 # streams' inter-token gaps hurts less than the same seconds of one client's TTFT.
 DEFAULT_LOCAL_INTERFERENCE_WEIGHT = 0.25
 DEFAULT_BYTES_PER_TOKEN = 23_040
+# The most of its estimate a queued prompt counts as done from the time it has computed.
+HEAD_DONE_AT_MOST = 0.9
 
 
 @dataclass(frozen=True)
@@ -142,10 +144,18 @@ def queued_prompts_seconds(model: CostModel, worker: WorkerView) -> list[float]:
     fitted to real prefills it can carry most of a long prompt's time (a listed 1,195-token
     prompt was priced 2.2 s by its linear term alone, where its own prefill was estimated
     at 6.9 s and took 7.6 s). What the prompt shares with the cache is not listed, so its
-    tokens are priced as if nothing were cached before them."""
+    tokens are priced as if nothing were cached before them.
+
+    The oldest has been computing for ``head_prompt_elapsed`` seconds that its listing
+    does not show (a prompt alone is one engine step); that much of it is done, but never
+    more than ``HEAD_DONE_AT_MOST`` of it: past its estimate, a prompt is late by an
+    unknown amount, not finished."""
     coefficients = model.coefficients_for(worker.role)
     speed = model.speed_of(worker.worker_id)
-    return [prefill_seconds_with(coefficients, tokens, 0) * speed for tokens in worker.queued_prompts or ()]
+    alone = [prefill_seconds_with(coefficients, tokens, 0) * speed for tokens in worker.queued_prompts or ()]
+    if alone:
+        alone[0] = max(alone[0] - worker.head_prompt_elapsed, (1 - HEAD_DONE_AT_MOST) * alone[0])
+    return alone
 
 
 def shares_steps(worker: WorkerView) -> bool:

@@ -39,6 +39,9 @@ class WorkerView:
     # whole steps in turn). With both, the queue is priced as the engine shares it.
     queued_prompts: tuple[int, ...] | None = None
     prompt_step_cap: int = 0
+    # Seconds the oldest of ``queued_prompts`` has computed without its listed tokens
+    # changing: the part of it already done.
+    head_prompt_elapsed: float = 0.0
 
     @property
     def cache_fill(self) -> float:
