@@ -306,9 +306,9 @@ class CompletionService:
         async with aclosing(chunks):
             async for chunk in chunks:
                 if not prefilled and (chunk.token_ids or chunk.finished):
-                    prefilled = True
-                    self.fleet.ledger.prefilled(prefilling, job.request_id, time.monotonic())
-                    self.index.settle(prefilling, job.request_id, time.monotonic())
+                    prefilled, now = True, time.monotonic()
+                    self.fleet.ledger.prefilled(prefilling, job.request_id, now)
+                    self.index.settle(prefilling, job.request_id, now)
                 yield chunk
 
     def _client(self, worker_id: str):

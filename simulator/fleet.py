@@ -89,6 +89,7 @@ class SimWorker:
         self.stats_at_step_end = stats_at_step_end
         self._reported = (0, config.num_blocks)  # (running, free blocks) at the last step's end
         self._view: WorkerView | None = None
+        self._oldest_queued_at: float | None = None  # of the cached view's queued prompts
 
     def touch(self) -> None:
         """Its state changed: the next decision needs a fresh view."""
@@ -102,16 +103,16 @@ class SimWorker:
         """What a heartbeat and the ledger would tell the planner now. The oldest queued
         prompt's age moves with the clock, so it is added to the cached view."""
         view = self._static_view()
-        oldest = self.engine.oldest_queued_at()
-        if oldest is None or self.active is None:
+        if self._oldest_queued_at is None or self.active is None:
             return view
-        return replace(view, head_prompt_elapsed=max(0.0, now - max(oldest, self.active.started_at)))
+        return replace(view, head_prompt_elapsed=max(0.0, now - max(self._oldest_queued_at, self.active.started_at)))
 
     def _static_view(self) -> WorkerView:
         if self._view is None:
             engine, pool = self.engine, self.engine.pool
             running, free = len(engine.running), pool.num_free
             queued = engine.queued_prompts()
+            self._oldest_queued_at = engine.oldest_queued_at()  # changes only with the engine, as the view
             if self.stats_at_step_end:
                 running = self._reported[0]
                 free = self._reported[1] if self.role == "prefill" else free  # the ledger's, for decode
