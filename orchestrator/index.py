@@ -153,6 +153,12 @@ class PrefixIndex:
         entries = self._workers.get(worker_id)
         return self._pending.num_claimed(entries.bit) if entries else 0
 
+    def claimants(self, worker_id: str, block_hash: identity.BlockHash) -> frozenset[str]:
+        """The requests routed to ``worker_id`` whose claims still hold ``block_hash``
+        (it is not reported stored there yet)."""
+        entries = self._workers.get(worker_id)
+        return self._pending.claimants(entries.bit, block_hash) if entries else frozenset()
+
     def num_evicted(self, worker_id: str) -> int:
         """Blocks the worker's engine reported evicted while this index followed it."""
         return self._evicted.get(worker_id, 0)

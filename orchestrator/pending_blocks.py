@@ -82,6 +82,10 @@ class PendingBlocks:
     def num_claimed(self, bit: int) -> int:
         return self._claimed.get(bit, 0)
 
+    def claimants(self, bit: int, block_hash: BlockHash) -> frozenset[str]:
+        """The requests whose claims on worker ``bit`` still hold ``block_hash``."""
+        return frozenset(self._claimants.get((block_hash, bit), ()))
+
     # ------------------------------------------------------------ writes
 
     def claim(self, bit: int, request_id: str, block_hashes: Sequence[BlockHash], capacity_blocks: int,

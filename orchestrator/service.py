@@ -32,6 +32,7 @@ from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_
 from orchestrator.errors import APIError
 from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
+from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import QueuedWork
 from orchestrator.metrics import Metrics
@@ -141,8 +142,10 @@ class CompletionService:
         """``excluded``: workers that already failed this job (the registry may not know yet)."""
         block_size = self._block_size()
         self.index.expire_claims(time.monotonic())
-        matches = self.index.match(job.block_hashes(block_size))
-        prefill, decode = self._views("prefill", matches, excluded), self._views("decode", matches, excluded)
+        block_hashes = job.block_hashes(block_size)
+        matches = self.index.match(block_hashes)
+        prefill = self._views("prefill", block_hashes, matches, excluded)
+        decode = self._views("decode", block_hashes, matches, excluded)
         prefill, decode = self._with_core_neighbours(prefill, decode)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
@@ -153,8 +156,7 @@ class CompletionService:
         if decision.chosen is None:
             return decision, None
         chosen = decision.chosen
-        stored = self.index.stored_prefix(chosen.prefill_worker or chosen.decode_worker,
-                                          job.block_hashes(block_size))
+        stored = self.index.stored_prefix(chosen.prefill_worker or chosen.decode_worker, block_hashes)
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
                                               len(job.prompt_token_ids), block_size, stored * block_size)
         self.decisions.add(record)
@@ -164,8 +166,9 @@ class CompletionService:
         sizes = [w.load.block_size for role in wire.ROLES for w in self.fleet.live(role)]
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
-    def _views(self, role: str, matches: dict[str, int], excluded: set[str]) -> list[WorkerView]:
-        return [self._view(w, role, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)
+    def _views(self, role: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
+               excluded: set[str]) -> list[WorkerView]:
+        return [self._view(w, role, block_hashes, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)
                 if w.worker_id not in excluded]
 
     def _with_core_neighbours(self, prefill: list[WorkerView],
@@ -176,19 +179,23 @@ class CompletionService:
         views = with_core_neighbours(prefill + decode, bindings)
         return views[:len(prefill)], views[len(prefill):]
 
-    def _view(self, worker, role: str, cached_blocks: int) -> WorkerView:
+    def _view(self, worker, role: str, block_hashes: list[identity.BlockHash], matched: int) -> WorkerView:
         load, now = worker.load, time.monotonic()
         reported = QueuedWork(load.num_waiting, load.num_queued_prefill_tokens, load.queued_prefill,
                               head_age=load.head_prompt_age + max(0.0, now - worker.last_seen))
         queued = self.fleet.ledger.queued(worker.worker_id, reported, now)
+        block_size = load.block_size or DEFAULT_BLOCK_SIZE
+        followable = followable_blocks(self.index, worker.worker_id, block_hashes, matched,
+                                       tuple(queued.per_request or ()), load.prompt_step_cap, block_size)
         return WorkerView(worker_id=worker.worker_id, role=role,
                           num_running=self.fleet.ledger.running(worker.worker_id, load.num_running),
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
                           num_free_blocks=self.fleet.ledger.free_blocks(worker.worker_id, load.num_free_blocks,
                                                                         load.num_total_blocks),
                           num_total_blocks=load.num_total_blocks,
-                          block_size=load.block_size or DEFAULT_BLOCK_SIZE, bytes_per_block=load.bytes_per_block,
-                          in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=cached_blocks,
+                          block_size=block_size, bytes_per_block=load.bytes_per_block,
+                          in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=matched,
+                          followable_blocks=None if followable == matched else followable,
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
                           head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap)

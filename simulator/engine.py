@@ -110,6 +110,10 @@ class Engine:
                     for request in prefilling(self.waiting))
         return tuple(left)
 
+    def queued_request_ids(self) -> tuple[str, ...]:
+        """The requests ``queued_prompts`` lists, in its order (oldest first)."""
+        return tuple(request.request_id for request in (*prefilling(self.running), *prefilling(self.waiting)))
+
     def oldest_queued_at(self) -> float | None:
         """When the first request ``queued_prompts`` lists was submitted (None: none)."""
         oldest = next(prefilling(self.running), None) or next(prefilling(self.waiting), None)

@@ -10,7 +10,8 @@ from what a worker's heartbeat reports (``kvroute.worker.process.WorkerProcess.l
 * ``num_free_blocks``: blocks no request references (evictable cached ones are free);
 * ``in_flight``: requests placed on this worker that have not finished, counted on every
   worker of the plan until the whole request ends, as ``Fleet.track`` does;
-* ``cached_blocks``: from ``PrefixIndex.match`` over the prompt's chained hashes.
+* ``cached_blocks``: from ``PrefixIndex.match`` over the prompt's chained hashes, and
+  ``followable_blocks`` from it as the service does (``orchestrator.followers``).
 
 The index is the production one, fed the way vLLM's KV events feed it in service: each
 engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. By default
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvroute.identity import BlockHash
+from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
 from orchestrator.planner.views import WorkerView
 from simulator.engine import Engine, EngineConfig
@@ -90,6 +93,7 @@ class SimWorker:
         self._reported = (0, config.num_blocks)  # (running, free blocks) at the last step's end
         self._view: WorkerView | None = None
         self._oldest_queued_at: float | None = None  # of the cached view's queued prompts
+        self._queue_order: tuple[str, ...] = ()  # their request ids
 
     def touch(self) -> None:
         """Its state changed: the next decision needs a fresh view."""
@@ -107,12 +111,18 @@ class SimWorker:
             return view
         return replace(view, head_prompt_elapsed=max(0.0, now - max(self._oldest_queued_at, self.active.started_at)))
 
+    def queue_order(self) -> tuple[str, ...]:
+        """The request ids of the prompts queued here, oldest first, as of the view."""
+        self._static_view()
+        return self._queue_order
+
     def _static_view(self) -> WorkerView:
         if self._view is None:
             engine, pool = self.engine, self.engine.pool
             running, free = len(engine.running), pool.num_free
             queued = engine.queued_prompts()
             self._oldest_queued_at = engine.oldest_queued_at()  # changes only with the engine, as the view
+            self._queue_order = engine.queued_request_ids()
             if self.stats_at_step_end:
                 running = self._reported[0]
                 free = self._reported[1] if self.role == "prefill" else free  # the ledger's, for decode
@@ -151,11 +161,18 @@ class SimFleet:
         for event in worker.engine.pool.take_events():
             self.index.apply(worker.worker_id, event)
 
-    def views(self, role: str, matches: dict[str, int], now: float) -> list[WorkerView]:
+    def views(self, role: str, block_hashes: list[BlockHash], matches: dict[str, int],
+              now: float) -> list[WorkerView]:
         views = [worker.view(now) for worker in self.pools[role]]
         positions = self._positions[role]
         for worker_id, blocks in matches.items():
             position = positions.get(worker_id)
-            if position is not None:
-                views[position] = replace(views[position], cached_blocks=blocks)
+            if position is None:
+                continue
+            view = views[position]
+            followable = followable_blocks(self.index, worker_id, block_hashes, blocks,
+                                           self.workers[worker_id].queue_order(), view.prompt_step_cap,
+                                           self.block_size)
+            views[position] = replace(view, cached_blocks=blocks,
+                                      followable_blocks=None if followable == blocks else followable)
         return views

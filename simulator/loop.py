@@ -139,7 +139,8 @@ class Simulation:
         matches = self.fleet.index.match(flight.block_hashes)
         request = RequestView(flight.request_id, flight.prompt_tokens, flight.request.max_tokens,
                               self.fleet.block_size)
-        prefill, decode = self.fleet.views("prefill", matches, self.now), self.fleet.views("decode", matches, self.now)
+        prefill = self.fleet.views("prefill", flight.block_hashes, matches, self.now)
+        decode = self.fleet.views("decode", flight.block_hashes, matches, self.now)
         if self.bindings:  # pinned engines report their cores, as a worker's heartbeats do
             views = with_core_neighbours(prefill + decode, self.bindings)
             prefill, decode = views[:len(prefill)], views[len(prefill):]

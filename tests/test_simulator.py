@@ -181,6 +181,24 @@ def test_a_request_queued_behind_a_chunked_prefill_hits_every_chunk_scheduled_so
     assert step.work[1][0].cached_tokens == 592  # all 37 full blocks, though the leader's last are being computed
 
 
+def test_a_follower_of_a_prefix_queued_behind_another_prompt_reuses_one_chunk_of_it():
+    """What ``orchestrator.followers`` prices: a prompt alone is one long step; the owner of
+    a prefix and its follower, both arriving during it, are scheduled together after it,
+    and the follower finds only the owner's first (capped) chunk."""
+    engine = Engine(EngineConfig(num_blocks=256, block_size=BLOCK, long_prefill_tokens=64))
+    engine.submit(engine_request("head", tokens(1, 300)))
+    step = engine.schedule()
+    assert [(r.request_id, new) for r, new in step.work] == [("head", 300)]
+    prefix = tokens(2, 320)
+    engine.submit(engine_request("owner", prefix + tokens(3, 10)))
+    engine.submit(engine_request("follower", prefix + tokens(4, 10)))
+    assert engine.queued_request_ids() == ("head", "owner", "follower")
+    engine.complete(step, 0.0, 1.0)
+    step = engine.schedule()
+    assert [(r.request_id, new) for r, new in step.work][:2] == [("owner", 64), ("follower", 64)]
+    assert step.work[1][0].cached_tokens == 64
+
+
 def test_chunked_prefill_spreads_a_long_prompt_over_steps():
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8))
     engine.submit(engine_request("long", tokens(1, 600), max_tokens=3))

@@ -32,13 +32,16 @@ def prompt_blocks(request: RequestView) -> int:
 
 
 def held_blocks(request: RequestView, worker: WorkerView) -> int:
-    """Leading prompt blocks resident on ``worker`` (the index can report more than the prompt has)."""
+    """Leading prompt blocks the index credits ``worker`` with, stored or claimed (it can
+    report more than the prompt has). What prefix-matching routers route on."""
     return min(worker.cached_blocks, prompt_blocks(request))
 
 
 def reused_tokens(request: RequestView, worker: WorkerView) -> int:
-    """Cached tokens a prefill on ``worker`` skips; the engine always recomputes the last token."""
-    return max(0, min(held_blocks(request, worker) * request.block_size, request.prompt_tokens - 1))
+    """Cached tokens a prefill on ``worker`` skips: the blocks it would reuse, never the
+    last token, which the engine always recomputes."""
+    blocks = min(worker.reusable_blocks, prompt_blocks(request))
+    return max(0, min(blocks * request.block_size, request.prompt_tokens - 1))
 
 
 def blocks_needed(request: RequestView, settings: PlannerSettings) -> int:

@@ -29,7 +29,10 @@ class WorkerView:
     block_size: int
     bytes_per_block: int
     in_flight: int = 0  # requests this orchestrator sent and has not seen finish
-    cached_blocks: int = 0  # leading blocks of this request's prompt resident on the worker
+    cached_blocks: int = 0  # leading blocks of this request's prompt resident on the worker, or claimed there
+    # Of ``cached_blocks``, how many a request sent now would reuse (``orchestrator.followers``:
+    # a prefix still queued behind another prompt is mostly recomputed); None: all of them.
+    followable_blocks: int | None = None
     resident_blocks: int = 0  # blocks of any prompt resident on the worker (the index's count)
     # Busy engines bound to one of this worker's CPU cores (``orchestrator.core_sharing``):
     # while they compute, this one computes slower.
@@ -42,6 +45,12 @@ class WorkerView:
     # Seconds the oldest of ``queued_prompts`` has computed without its listed tokens
     # changing: the part of it already done.
     head_prompt_elapsed: float = 0.0
+
+    @property
+    def reusable_blocks(self) -> int:
+        """Leading prompt blocks a prefill sent here now would skip."""
+        return self.cached_blocks if self.followable_blocks is None else min(self.followable_blocks,
+                                                                             self.cached_blocks)
 
     @property
     def cache_fill(self) -> float:

@@ -1,0 +1,72 @@
+"""How much of a claimed prefix a follower reuses (``orchestrator.followers``), against a
+real ``PrefixIndex`` fed vLLM-shaped events and the service's claims."""
+
+from __future__ import annotations
+
+from kvroute.identity import block_hashes
+from orchestrator.followers import followable_blocks
+from orchestrator.index import PrefixIndex
+from orchestrator.planner.plans import held_blocks, reused_tokens
+from orchestrator.planner.views import RequestView, WorkerView
+from tests.test_index import BS, S, FakeEngine, tokens
+
+CAP = 64  # tokens per prompt per step: 4 blocks of 16
+PROMPT = tokens(20, seed=5)
+HASHES = block_hashes(PROMPT, BS, S)
+
+
+def index_with_claim(claimant: str = "owner", stored_blocks: int = 0) -> PrefixIndex:
+    index = PrefixIndex()
+    index.reset_worker("p0", "p0-inc1")
+    if stored_blocks:
+        index.apply("p0", FakeEngine(1).store(PROMPT, S, last=stored_blocks))
+    index.claim("p0", claimant, HASHES, capacity_blocks=1_000, now=0.0)
+    assert index.match(HASHES) == {"p0": 20}
+    return index
+
+
+def follow(index: PrefixIndex, queue: tuple[str, ...], cap: int = CAP) -> int:
+    return followable_blocks(index, "p0", HASHES, 20, queue, cap, BS)
+
+
+def test_a_prefix_queued_behind_another_prompt_gives_its_follower_one_chunk():
+    # The owner waits behind "head"; when head's step ends, owner and follower are
+    # scheduled in one step: the follower finds the owner's first chunk only.
+    assert follow(index_with_claim(), ("head", "owner")) == CAP // BS
+
+
+def test_what_the_owner_already_stored_counts_in_full_plus_one_chunk():
+    assert follow(index_with_claim(stored_blocks=6), ("head", "owner")) == 6 + CAP // BS
+
+
+def test_the_oldest_prompt_s_prefix_is_followed_in_full():
+    assert follow(index_with_claim(), ("owner", "other")) == 20
+
+
+def test_a_prefix_whose_prefill_is_over_is_followed_in_full():
+    # Its first token came (it left the queue); the KV events have not arrived yet.
+    assert follow(index_with_claim(), ("head", "other")) == 20
+
+
+def test_an_engine_serving_prompts_in_turn_lets_the_follower_wait_for_all_of_it():
+    assert follow(index_with_claim(), ("head", "owner"), cap=0) == 20
+
+
+def test_a_prefix_also_claimed_by_the_oldest_prompt_is_followed_in_full():
+    index = index_with_claim()
+    index.claim("p0", "head", HASHES, capacity_blocks=1_000, now=0.0)
+    assert follow(index, ("head", "owner")) == 20
+
+
+def test_a_fully_stored_prefix_is_not_touched():
+    index = index_with_claim(stored_blocks=20)
+    assert follow(index, ("head", "owner")) == 20
+
+
+def test_the_estimate_reuses_the_followable_blocks_and_prefix_routers_see_the_claim():
+    request = RequestView("r", prompt_tokens=20 * BS, expected_output_tokens=8, block_size=BS)
+    view = WorkerView("p0", "prefill", num_running=0, num_waiting=2, num_queued_prefill_tokens=640,
+                      num_free_blocks=100, num_total_blocks=100, block_size=BS, bytes_per_block=1,
+                      cached_blocks=20, followable_blocks=4)
+    assert reused_tokens(request, view) == 4 * BS
+    assert held_blocks(request, view) == 20  # what a prefix-matching router routes on
