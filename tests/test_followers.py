@@ -70,3 +70,19 @@ def test_the_estimate_reuses_the_followable_blocks_and_prefix_routers_see_the_cl
                       cached_blocks=20, followable_blocks=4)
     assert reused_tokens(request, view) == 4 * BS
     assert held_blocks(request, view) == 20  # what a prefix-matching router routes on
+
+
+def test_the_decision_says_when_a_claimed_prefix_will_mostly_be_recomputed():
+    from orchestrator.planner.cost_model import CostModel
+    from orchestrator.planner.planner import CacheAwarePlanner
+
+    request = RequestView("r", prompt_tokens=20 * BS, expected_output_tokens=8, block_size=BS)
+    prefill = WorkerView("p0", "prefill", num_running=0, num_waiting=2, num_queued_prefill_tokens=640,
+                         num_free_blocks=100, num_total_blocks=100, block_size=BS, bytes_per_block=1,
+                         cached_blocks=20, followable_blocks=4)
+    decode = WorkerView("d0", "decode", num_running=0, num_waiting=0, num_queued_prefill_tokens=0,
+                        num_free_blocks=100, num_total_blocks=100, block_size=BS, bytes_per_block=1)
+    decision = CacheAwarePlanner().decide(request, [prefill], [decode], CostModel())
+    disagg = next(plan for plan in decision.alternatives if plan.prefill_worker == "p0")
+    assert disagg.estimate.reused_tokens == 4 * BS
+    assert "p0 holds 20/20 blocks (reuses 4:" in decision.reason

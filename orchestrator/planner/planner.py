@@ -138,7 +138,11 @@ def tie_reason(chosen: Plan, runner_up: Plan, views: dict[str, WorkerView], sett
 def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> str:
     prefiller = plan.prefill_worker or plan.decode_worker
     total = prompt_blocks(request)
-    text = f"{prefiller} holds {held_blocks(request, views[prefiller])}/{total} blocks"
+    held = held_blocks(request, views[prefiller])
+    text = f"{prefiller} holds {held}/{total} blocks"
+    reusable = min(views[prefiller].reusable_blocks, held)
+    if reusable < held:
+        text += f" (reuses {reusable}: the rest is claimed by a prompt queued behind another)"
     if plan.kind is PlanKind.DISAGG:
         missing = total - held_blocks(request, views[plan.decode_worker])
         text += f", {plan.decode_worker} pulls {missing}"
