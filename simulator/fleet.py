@@ -109,7 +109,7 @@ class SimWorker:
         view = self._static_view()
         if self._oldest_queued_at is None or self.active is None:
             return view
-        return replace(view, head_prompt_elapsed=max(0.0, now - max(self._oldest_queued_at, self.active.started_at)))
+        return with_head_elapsed(view, max(0.0, now - max(self._oldest_queued_at, self.active.started_at)))
 
     def queue_order(self) -> tuple[str, ...]:
         """The request ids of the prompts queued here, oldest first, as of the view."""
@@ -134,6 +134,17 @@ class SimWorker:
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
                 in_flight=self.in_flight, resident_blocks=pool.num_cached)
         return self._view
+
+
+def with_head_elapsed(view: WorkerView, seconds: float) -> WorkerView:
+    """``replace(view, head_prompt_elapsed=seconds)``, without re-running the view's
+    ``__init__`` over all its fields: the copy is made for every busy worker on every
+    decision, and at 500 + 500 workers ``replace`` (8 µs against 0.9 µs) was most of the
+    simulation's time."""
+    copied = object.__new__(WorkerView)
+    copied.__dict__.update(view.__dict__)
+    copied.__dict__["head_prompt_elapsed"] = seconds
+    return copied
 
 
 class SimFleet:

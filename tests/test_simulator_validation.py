@@ -3,6 +3,8 @@ load reports and held blocks, replayed pull failures, and cost curves fitted to 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from orchestrator.planner.cost_model import PrefillCoefficients, prefill_seconds_with
@@ -154,6 +156,9 @@ def test_views_date_the_oldest_prompt_from_the_step_computing_it():
     worker.active = ActiveStep(worker.engine.schedule(), started_at=4.5, step_seconds=2.0, version=0)
     assert worker.view(5.25).head_prompt_elapsed == pytest.approx(0.75)
     assert worker.view(5.25).queued_prompts == (300,)  # the listing shows no progress inside the step
+    dated = worker.view(5.25)
+    assert dated == replace(worker.view(5.0), head_prompt_elapsed=dated.head_prompt_elapsed)  # nothing else moved
+    assert worker.view(5.0).head_prompt_elapsed == pytest.approx(0.5)  # the cached view is not changed
 
 
 def test_a_refused_pull_is_prefilled_again_on_the_decode_worker():
