@@ -3,11 +3,19 @@ real ``PrefixIndex`` fed vLLM-shaped events and the service's claims."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
+from kvroute import wire
 from kvroute.identity import block_hashes
 from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
+from orchestrator.load_ledger import LoadLedger
+from orchestrator.planner.cost_model import CostModel
+from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.plans import held_blocks, reused_tokens
 from orchestrator.planner.views import RequestView, WorkerView
+from orchestrator.service import CompletionService
 from tests.test_index import BS, S, FakeEngine, tokens
 
 CAP = 64  # tokens per prompt per step: 4 blocks of 16
@@ -73,9 +81,6 @@ def test_the_estimate_reuses_the_followable_blocks_and_prefix_routers_see_the_cl
 
 
 def test_the_decision_says_when_a_claimed_prefix_will_mostly_be_recomputed():
-    from orchestrator.planner.cost_model import CostModel
-    from orchestrator.planner.planner import CacheAwarePlanner
-
     request = RequestView("r", prompt_tokens=20 * BS, expected_output_tokens=8, block_size=BS)
     prefill = WorkerView("p0", "prefill", num_running=0, num_waiting=2, num_queued_prefill_tokens=640,
                          num_free_blocks=100, num_total_blocks=100, block_size=BS, bytes_per_block=1,
@@ -86,3 +91,28 @@ def test_the_decision_says_when_a_claimed_prefix_will_mostly_be_recomputed():
     disagg = next(plan for plan in decision.alternatives if plan.prefill_worker == "p0")
     assert disagg.estimate.reused_tokens == 4 * BS
     assert "p0 holds 20/20 blocks (reuses 4:" in decision.reason
+
+
+def service_view(queued: dict[str, int], prefilled_since: tuple[str, ...] = ()) -> WorkerView:
+    """The completion service's view of p0 after a heartbeat listing ``queued``, with the
+    load ledger told of the prefills in ``prefilled_since``."""
+    index = index_with_claim()
+    ledger = LoadLedger()
+    for request_id in prefilled_since:
+        ledger.dispatched("p0", request_id, queued[request_id], now=0.0)
+        ledger.prefilled("p0", request_id, now=1.0)
+    fleet = SimpleNamespace(ledger=ledger, in_flight=lambda worker_id: 0)
+    service = CompletionService(fleet, None, {}, "cache_aware", None, index, None, None, None, worker_timeout=1.0)
+    load = wire.WorkerLoad(num_waiting=len(queued), num_queued_prefill_tokens=sum(queued.values()),
+                           num_free_blocks=100, num_total_blocks=100, block_size=BS, queued_prefill=queued,
+                           prompt_step_cap=CAP)
+    worker = SimpleNamespace(worker_id="p0", load=load, last_seen=time.monotonic())
+    return service._view(worker, "prefill", HASHES, 20)
+
+
+def test_the_service_prices_a_follower_from_the_queue_its_heartbeat_and_ledger_show():
+    behind = service_view({"head": 300, "owner": 320})
+    assert (behind.cached_blocks, behind.reusable_blocks) == (20, CAP // BS)
+    # The oldest ended since the heartbeat: the owner computes alone now, and is followed in full.
+    alone = service_view({"head": 300, "owner": 320}, prefilled_since=("head",))
+    assert (alone.cached_blocks, alone.reusable_blocks) == (20, 20)
