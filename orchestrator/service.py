@@ -195,7 +195,7 @@ class CompletionService:
                           num_total_blocks=load.num_total_blocks,
                           block_size=block_size, bytes_per_block=load.bytes_per_block,
                           in_flight=self.fleet.in_flight(worker.worker_id), cached_blocks=matched,
-                          followable_blocks=None if followable == matched else followable,
+                          followable_blocks=followable,
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
                           head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap)

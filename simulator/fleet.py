@@ -138,9 +138,8 @@ class SimWorker:
 
 def with_head_elapsed(view: WorkerView, seconds: float) -> WorkerView:
     """``replace(view, head_prompt_elapsed=seconds)``, without re-running the view's
-    ``__init__`` over all its fields: the copy is made for every busy worker on every
-    decision, and at 500 + 500 workers ``replace`` (8 µs against 0.9 µs) was most of the
-    simulation's time."""
+    ``__init__`` over all its fields (8 µs against 0.9 µs): the copy is made for every
+    busy worker on every decision, about 300 a decision at 500 + 500 workers."""
     copied = object.__new__(WorkerView)
     copied.__dict__.update(view.__dict__)
     copied.__dict__["head_prompt_elapsed"] = seconds
@@ -184,6 +183,5 @@ class SimFleet:
             followable = followable_blocks(self.index, worker_id, block_hashes, blocks,
                                            self.workers[worker_id].queue_order(), view.prompt_step_cap,
                                            self.block_size)
-            views[position] = replace(view, cached_blocks=blocks,
-                                      followable_blocks=None if followable == blocks else followable)
+            views[position] = replace(view, cached_blocks=blocks, followable_blocks=followable)
         return views
