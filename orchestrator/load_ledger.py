@@ -122,10 +122,16 @@ class LoadLedger:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
-    def queued(self, worker_id: str, reported: QueuedWork, now: float) -> QueuedWork:
+    def heartbeat_is_current(self, worker_id: str) -> bool:
+        """Nothing this orchestrator saw since the worker's last heartbeat changes its
+        queue or its running count: its heartbeat is read as it is."""
         ledger = self._workers.get(worker_id)
-        if ledger is None:
+        return ledger is None or not (ledger.pending or ledger.finished or ledger.released_requests)
+
+    def queued(self, worker_id: str, reported: QueuedWork, now: float) -> QueuedWork:
+        if self.heartbeat_is_current(worker_id):
             return reported
+        ledger = self._workers[worker_id]
         num_waiting = max(len(ledger.pending), reported.num_waiting - len(ledger.finished))
         listed = reported.per_request
         if listed is None:

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -37,6 +37,8 @@ from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import QueuedWork
 from orchestrator.metrics import Metrics
 from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.candidates import load_key
+from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
@@ -104,6 +106,12 @@ def continuation(job: Job, generated: list[int], attempt: int) -> Job:
                                request_id=f"{job.request_id}-m{attempt}")
 
 
+def heartbeat_load_key(load: wire.WorkerLoad, in_flight: int, worker_id: str) -> LoadKey:
+    """``load_key`` of the view ``CompletionService._view`` builds for a worker whose
+    heartbeat the ledger leaves as it is, without building the view."""
+    return max(load.num_running + load.num_waiting, in_flight), load.num_queued_prefill_tokens, worker_id
+
+
 class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
@@ -163,20 +171,36 @@ class CompletionService:
         return decision, record
 
     def _block_size(self) -> int:
-        sizes = [w.load.block_size for role in wire.ROLES for w in self.fleet.live(role)]
+        sizes = (w.load.block_size for role in wire.ROLES for w in self.fleet.live(role))
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
     def _views(self, role: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
-               excluded: set[str]) -> list[WorkerView]:
-        return [self._view(w, role, block_hashes, matches.get(w.worker_id, 0)) for w in self.fleet.live(role)
-                if w.worker_id not in excluded]
+               excluded: set[str]) -> LazyPool:
+        """The live workers' views, built as a policy reads them (``orchestrator.planner.pools``).
+        A worker whose heartbeat the ledger has nothing to correct for is keyed by its
+        heartbeat alone; the others' views are built now, as their keys need the ledger."""
+        workers = [w for w in self.fleet.live(role) if w.worker_id not in excluded]
 
-    def _with_core_neighbours(self, prefill: list[WorkerView],
-                              decode: list[WorkerView]) -> tuple[list[WorkerView], list[WorkerView]]:
+        def build(position: int) -> WorkerView:
+            worker = workers[position]
+            return self._view(worker, role, block_hashes, matches.get(worker.worker_id, 0))
+
+        built, load_keys = {}, []
+        for position, worker in enumerate(workers):
+            if self.fleet.ledger.heartbeat_is_current(worker.worker_id):
+                load_keys.append(heartbeat_load_key(worker.load, self.fleet.in_flight(worker.worker_id),
+                                                    worker.worker_id))
+            else:
+                built[position] = build(position)
+                load_keys.append(load_key(built[position]))
+        return LazyPool(load_keys, [matches.get(w.worker_id, 0) for w in workers], build, built)
+
+    def _with_core_neighbours(self, prefill: Sequence[WorkerView],
+                              decode: Sequence[WorkerView]) -> tuple[Sequence[WorkerView], Sequence[WorkerView]]:
         bindings = {w.worker_id: w.cores for role in wire.ROLES for w in self.fleet.live(role) if w.cores}
         if not bindings:
             return prefill, decode
-        views = with_core_neighbours(prefill + decode, bindings)
+        views = with_core_neighbours([*prefill, *decode], bindings)
         return views[:len(prefill)], views[len(prefill):]
 
     def _view(self, worker, role: str, block_hashes: list[identity.BlockHash], matched: int) -> WorkerView:

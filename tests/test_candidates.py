@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from orchestrator.planner.candidates import prune, prune_exhaustively
+from orchestrator.planner.candidates import load_key, prune, prune_exhaustively
 from orchestrator.planner.plans import decode_problem_for
+from orchestrator.planner.pools import LazyPool
 from orchestrator.planner.settings import PlannerSettings
 from orchestrator.planner.views import RequestView, WorkerView
 
@@ -49,3 +50,41 @@ def test_unable_workers_are_kept_only_when_too_few_can_take_the_request():
     able = [w for w in pool if not problem(w)]
     assert len(able) < SETTINGS.top_k and set(w.worker_id for w in able) <= set(w.worker_id for w in kept)
 
+
+
+def lazy(pool: list[WorkerView]) -> LazyPool:
+    return LazyPool([load_key(w) for w in pool], [w.cached_blocks for w in pool], lambda i: pool[i])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_lazy_pool_prunes_to_the_same_workers_building_only_those_it_asks_about(seed):
+    rng = random.Random(100 + seed)
+    pool = random_pool(rng, rng.choice([9, 200, 1000]), holders=rng.choice([0.0, 0.01, 0.3]),
+                       unable=rng.choice([0.0, 0.5, 1.0]))
+    asked = []
+
+    def problem(worker):
+        asked.append(worker.worker_id)
+        return decode_problem_for(REQUEST, SETTINGS)(worker)
+
+    views = lazy(pool)
+    kept = prune(views, SETTINGS.top_k, problem)
+    assert views.num_built == len(set(asked))  # a view is built when its worker is asked about, once
+    assert [w.worker_id for w in kept] == [w.worker_id for w in prune(pool, SETTINGS.top_k, problem)]
+    if len(pool) >= 200 and not any(problem(w) for w in pool):
+        assert views.num_built < len(pool) / 4
+
+
+def test_a_lazy_pool_builds_each_view_once_and_reads_like_a_list():
+    pool = random_pool(random.Random(7), 5, holders=0.5, unable=0.0)
+    built = []
+    views = LazyPool([load_key(w) for w in pool], [w.cached_blocks for w in pool],
+                     lambda i: built.append(i) or pool[i], built={4: pool[4]})
+    assert (len(views), views.num_built) == (5, 1)
+    assert views[1] is pool[1] and views[1] is pool[1] and views[-1] is pool[4]
+    assert built == [1]  # the 5th was given already
+    assert views[1:3] == pool[1:3] and list(views) == pool and built == [1, 2, 0, 3]
+    with pytest.raises(IndexError):
+        views[5]
+    with pytest.raises(ValueError, match="for every worker"):
+        LazyPool([load_key(pool[0])], [], lambda i: pool[i])

@@ -214,3 +214,20 @@ def test_an_empty_queue_has_no_age(ledger):
     ledger.dispatched("w1", "r1", 1200, now=20.0)
     ledger.prefilled("w1", "r1", now=21.0)
     assert ledger.queued("w1", replace(listed(r1=1200), head_age=0.9), now=21.5).head_age == 0.0
+
+
+def test_a_heartbeat_is_current_until_this_orchestrator_sends_or_sees_something_it_does_not_show(ledger):
+    listed = QueuedWork(2, 900, per_request={"other-1": 500, "other-2": 400}, head_age=0.3)
+    assert ledger.heartbeat_is_current("w1")
+    ledger.dispatched("w1", "r1", 428, 0.0)
+    assert not ledger.heartbeat_is_current("w1")
+    ledger.prefilled("w1", "r1", 1.0)
+    assert not ledger.heartbeat_is_current("w1")  # the heartbeat may still list r1
+    ledger.heartbeat("w1")
+    assert ledger.heartbeat_is_current("w1") and ledger.queued("w1", listed, 2.0) is listed
+    ledger.reserved("w1", "r1", 40)
+    ledger.heartbeat("w1")
+    ledger.released("w1", "r1")
+    assert not ledger.heartbeat_is_current("w1")  # it ended after the heartbeat counted it running
+    ledger.heartbeat("w1")
+    assert ledger.heartbeat_is_current("w1")

@@ -1,8 +1,6 @@
 """Table tests for the cache-aware planner: reuse on a busy worker vs recompute on an idle one."""
 
 import random
-import statistics
-import time
 from dataclasses import replace
 
 import pytest
@@ -174,18 +172,6 @@ def test_pruning_keeps_the_best_match_among_a_thousand_and_stays_flat():
     assert decision.chosen.prefill_worker == "p0537"
     k = settings.top_k
     assert len(decision.alternatives) <= 2 * k * (2 * k + 1)
-
-
-def test_decision_time_at_a_thousand_workers():
-    prefill, decode = large_fleet()
-    planner = CacheAwarePlanner()
-    timings = []
-    for _ in range(30):
-        started = time.perf_counter()
-        planner.decide(REQUEST, prefill, decode, MODEL)
-        timings.append(time.perf_counter() - started)
-    # ~2.5 ms on an idle core; the bound is generous because CI machines are shared.
-    assert statistics.median(timings) < 0.020
 
 
 def test_a_gap_just_over_the_bound_does_not_lose_to_a_far_longer_ttft():

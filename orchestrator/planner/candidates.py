@@ -11,21 +11,23 @@ So ``prune`` orders the pool in two heaps, by load and (for the workers holding 
 the prompt) by match, and asks down each only until it has ``top_k`` able workers; the
 best matches are topped up with the lightest able workers that hold nothing, as in the
 full ranking. Where too few can take the request, it asks every worker
-(``prune_exhaustively``, the full ranking itself).
+(``prune_exhaustively``, the full ranking itself). Given a ``LazyPool``, it reads the
+keys the pool carries and builds only the views it asks about.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from orchestrator.planner.cost_model import active_requests
+from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import WorkerView
 
 Problem = Callable[[WorkerView], str]  # why a worker cannot take the request; "" when it can
 
 
-def load_key(worker: WorkerView) -> tuple[int, int, str]:
+def load_key(worker: WorkerView) -> LoadKey:
     """Least loaded first: active requests, then queued prefill tokens, then id for determinism."""
     return active_requests(worker), worker.num_queued_prefill_tokens, worker.worker_id
 
@@ -35,28 +37,35 @@ def match_key(worker: WorkerView) -> tuple[int, tuple[int, int, str]]:
     return -worker.cached_blocks, load_key(worker)
 
 
-def prune(workers: Iterable[WorkerView], top_k: int, problem: Problem) -> list[WorkerView]:
+def prune(workers: Sequence[WorkerView], top_k: int, problem: Problem) -> list[WorkerView]:
     """At most 2 x ``top_k`` workers: the best matches and the least loaded, able ones first."""
-    pool = list(workers)
+    pool = workers if isinstance(workers, LazyPool) else list(workers)
     if len(pool) <= 2 * top_k:
-        return prune_exhaustively(pool, top_k, problem)
-    loads = [load_key(worker) for worker in pool]  # they end with the worker id: no two tie
+        return prune_exhaustively(list(pool), top_k, problem)
+    loads, cached = pool_keys(pool)  # loads end with the worker id: no two tie
     able = _AbleInOrder(pool, problem, [(load, index) for index, load in enumerate(loads)])
-    holders = _AbleInOrder(pool, problem, [(-worker.cached_blocks, loads[index], index)
-                                           for index, worker in enumerate(pool) if worker.cached_blocks > 0])
+    holders = _AbleInOrder(pool, problem, [(-blocks, loads[index], index)
+                                           for index, blocks in enumerate(cached) if blocks > 0])
     lightest = able.first(top_k, lambda index: True)
     best_matches = holders.first(top_k, lambda index: True)
-    best_matches += able.first(top_k - len(best_matches), lambda index: pool[index].cached_blocks == 0)
+    best_matches += able.first(top_k - len(best_matches), lambda index: cached[index] == 0)
     if len(lightest) < top_k or len(best_matches) < top_k:  # too few can: the others may rank
-        return prune_exhaustively(pool, top_k, problem)
+        return prune_exhaustively(list(pool), top_k, problem)
     return unique_workers(pool[index] for index in best_matches + lightest)
+
+
+def pool_keys(pool: Sequence[WorkerView]) -> tuple[list[LoadKey], list[int]]:
+    """Every worker's load key and cached blocks: as a ``LazyPool`` carries them, else off the views."""
+    if isinstance(pool, LazyPool):
+        return pool.load_keys, pool.cached_blocks
+    return [load_key(worker) for worker in pool], [worker.cached_blocks for worker in pool]
 
 
 class _AbleInOrder:
     """Positions of able workers in key order, each worker asked at most once, and only
     as far down the order as a caller reads."""
 
-    def __init__(self, pool: list[WorkerView], problem: Problem, keyed: list[tuple]):
+    def __init__(self, pool: Sequence[WorkerView], problem: Problem, keyed: list[tuple]):
         self._pool, self._problem, self._heap = pool, problem, keyed
         heapq.heapify(self._heap)
         self._found: list[int] = []
