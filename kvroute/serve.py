@@ -25,6 +25,7 @@ from kvroute.config import setting
 from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
 from kvroute.model_prep import resolve_model
 from kvroute.netutil import free_port
+from kvroute.worker.settings import WorkerSettings
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import ENDPOINT, check_transfer_link
@@ -48,6 +49,9 @@ class PoolSettings:
     shared_copies: bool = setting(True, "decode workers read a prefill worker's staged KV from shared memory "
                                         "(all workers run on this host); off: every pull as frames, as between "
                                         "hosts")
+    pull_timeout_seconds: float = setting(WorkerSettings.pull_timeout_seconds,
+                                          "seconds a decode worker waits for a pull of KV before it recomputes "
+                                          "the prompt itself")
 
     def __post_init__(self):
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -60,7 +64,8 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             "--max-model-len", str(orchestrator.max_model_len), "--transfer-link", pool.transfer_link,
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get a core each, not all of them each.
-            "--omp-threads-bind", str(core), *([] if pool.shared_copies else ["--no-shared-copies"])]
+            "--omp-threads-bind", str(core), "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
+            *([] if pool.shared_copies else ["--no-shared-copies"])]
 
 
 def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str) -> list[LaunchedWorker]:

@@ -1,12 +1,14 @@
 """Transfer or recompute, decided by the link, with real engines: ``kvroute serve`` with one
 prefill and one decode worker, the prefill worker holding a long prefix, the decode worker
-cold. On loopback the planner moves the KV (DISAGG); with the prefill worker's transfer
-port shaped to 50 Mbit/s (``kvroute.bench.shaped_port``) it learns the slow link from
-the pulls it sees and recomputes on the decode worker instead (LOCAL). Either way the
-path it chose reaches the second token no later than 1.1x the other path does, measured
-on the client (the early first token makes the transfer show in the hand-off, not in
-TTFT). The other path is forced per request with ``X-KVRoute-Policy``: ``local_only``
-(aggregated serving) and ``round_robin`` (always DISAGG).
+cold. On loopback the planner moves the KV (DISAGG), and reaches the second token no later
+than 1.1x aggregated serving (``local_only``) does. With the prefill worker's transfer port
+shaped to 50 Mbit/s (``kvroute.bench.shaped_port``) it learns the slow link from the pulls
+it sees. Which path is then faster depends on the machine: the prompt's 35 MB of float32
+KV take ~5.7 s to pull, and recomputing them took ~4 s on one machine and ~7.7 s on
+another. So both paths are measured, recompute (``local_only``) and pull (``round_robin``,
+always DISAGG), and the planner must reach the second token no later than 1.1x the faster
+one, and choose that one where it is clearly faster (by 25%). Times are the client's own
+(the early first token makes a transfer show in the hand-off, not in TTFT).
 
 Needs root and tc with htb (skipped elsewhere).
 """
@@ -29,7 +31,8 @@ from tests.test_shaped_port import UNAVAILABLE
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no port shaping here: {UNAVAILABLE}")
 
 MODEL = "SmolLM2-135M-Instruct"
-SLOW_RATE = "50mbit"  # the prompt's 35 MB of float32 KV take ~5.7 s; recomputing them ~4 s
+SLOW_RATE = "50mbit"  # the prompt's 35 MB of float32 KV take ~5.7 s
+CLEAR_MARGIN = 1.25  # one path this much faster than the other must be the one chosen
 MAX_RATIO = 1.1
 # ~780 tokens: a repository map the prefill worker already holds
 PREFIX = "You are the assistant of the kvroute repository. Repository map follows.\n" + "\n".join(
@@ -53,6 +56,8 @@ def stack(tmp_path_factory):
                    "--prefill-workers", "1", "--decode-workers", "1", "--allow-policy-override",
                    # The shaped port stands for a network between hosts: pulls must cross it.
                    "--no-shared-copies",
+                   # A pull over the slow link may take longer than recomputing; it must not time out.
+                   "--pull-timeout-seconds", "120",
                    "--log-dir", str(folder / "workers")])
     try:
         stack.wait_healthy(900)
@@ -140,20 +145,25 @@ def test_fast_link_moves_the_kv(stack, client):
     assert chosen.second_token <= MAX_RATIO * other.second_token, compare(chosen, other)
 
 
-def test_slow_link_recomputes_on_the_decode_worker(stack, client):
+def test_a_slow_link_is_learned_and_the_faster_path_taken(stack, client):
     prefill = worker_of(stack, "prefill")
     port = int(prefill["transfer_address"].rsplit(":", 1)[1])
+    warm_prefill_worker(stack, client)
+    recompute, recompute_record = measure(stack, client, "Which module routes kind 20?", "local_only")
+    assert recompute_record["chosen"]["kind"] == "local"
     with ShapedPort(port, SLOW_RATE) as shaped:
         teach_link(client, 2)
         assert shaped.shaped_bytes() > 0, "the calibration pulls did not cross the shaped port"
-        warm_prefill_worker(stack, client)
+        pull, pull_record = measure(stack, client, "Which module routes kind 22?", "round_robin")
+        assert pull_record["chosen"]["kind"] == "disagg" and pull_record["actual"]["transfer_bytes"] > 0
         chosen, record = measure(stack, client, "Which module routes kind 21?", "cache_aware")
-        assert record["chosen"]["kind"] == "local", record["reason"]
-        rejected = [plan for plan in record["alternatives"] if plan["kind"] == "disagg"]
-        assert rejected and rejected[0]["estimate"]["transfer"] > 0.25, rejected  # the slow link, learned
-        other, other_record = measure(stack, client, "Which module routes kind 22?", "round_robin")
-        assert other_record["chosen"]["kind"] == "disagg"
-    assert chosen.second_token <= MAX_RATIO * other.second_token, compare(chosen, other)
+    disagg = [plan for plan in [record["chosen"], *record["alternatives"]] if plan["kind"] == "disagg"]
+    assert disagg and min(plan["estimate"]["transfer"] for plan in disagg) > 0.25, disagg  # learned
+    paths = {"local": recompute.second_token, "disagg": pull.second_token}
+    faster, slower = sorted(paths, key=paths.get)
+    if paths[slower] > CLEAR_MARGIN * paths[faster]:
+        assert record["chosen"]["kind"] == faster, (paths, record["reason"])
+    assert chosen.second_token <= MAX_RATIO * paths[faster], (paths, chosen, record["reason"])
 
 
 def test_a_reset_of_an_unknown_role_is_refused(stack):
