@@ -24,8 +24,9 @@ ledger's part), and a decode worker's free blocks, which the ledger corrects for
 requests it reserved room for. Not modelled: the heartbeat's own delay (up to 1 s).
 
 At 1,000 workers a decision must not rebuild 1,000 views: each worker keeps its view
-until its state changes (``touch``), and only the workers the index matched get a copy
-with their ``cached_blocks``.
+and its load key until its state changes (``touch``), and a pool is handed to the policy
+as the service hands it, a ``LazyPool`` that dates a view (and gives a matched worker its
+``cached_blocks``) only when the policy reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field, replace
 from kvroute.identity import BlockHash
 from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
+from orchestrator.planner.candidates import load_key
+from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import WorkerView
 from simulator.engine import Engine, EngineConfig
 from simulator.sequence import Admission
@@ -80,8 +83,10 @@ class ActiveStep:
 
 class SimWorker:
     def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int,
-                 stats_at_step_end: bool = False):
+                 stats_at_step_end: bool = False, position: int = 0, changed: set[int] | None = None):
         self.worker_id = worker_id
+        self.position = position  # in its pool
+        self._changed = changed if changed is not None else set()  # its pool's workers touched since read
         self.role = role
         self.engine = Engine(config)
         self.bytes_per_block = bytes_per_token * config.block_size
@@ -92,12 +97,19 @@ class SimWorker:
         self.stats_at_step_end = stats_at_step_end
         self._reported = (0, config.num_blocks)  # (running, free blocks) at the last step's end
         self._view: WorkerView | None = None
+        self._load_key: LoadKey | None = None  # of the cached view
         self._oldest_queued_at: float | None = None  # of the cached view's queued prompts
         self._queue_order: tuple[str, ...] = ()  # their request ids
 
     def touch(self) -> None:
         """Its state changed: the next decision needs a fresh view."""
         self._view = None
+        self._changed.add(self.position)
+
+    def load_key(self) -> LoadKey:
+        """``candidates.load_key`` of its view now (dating a view leaves its load as it is)."""
+        self._static_view()
+        return self._load_key
 
     def report(self) -> None:
         """A step ended (or the engine went idle): vLLM makes its scheduler stats now."""
@@ -133,6 +145,7 @@ class SimWorker:
                 num_free_blocks=free, num_total_blocks=pool.num_total,
                 block_size=engine.config.block_size, bytes_per_block=self.bytes_per_block,
                 in_flight=self.in_flight, resident_blocks=pool.num_cached)
+            self._load_key = load_key(self._view)
         return self._view
 
 
@@ -155,13 +168,17 @@ class SimFleet:
             raise ValueError("prefill and decode engines must share a block size, as the orchestrator assumes")
         self.block_size = decode_config.block_size
         width = len(str(max(num_prefill, num_decode)))
+        sizes, configs = {"prefill": num_prefill, "decode": num_decode}, {"prefill": prefill_config,
+                                                                          "decode": decode_config}
+        # Per pool: every worker's load key, as of the last decision, and the positions of
+        # those touched since (so a decision re-reads the few that changed, not all 1,000).
+        self._changed: dict[str, set[int]] = {role: set(range(size)) for role, size in sizes.items()}
+        self._load_keys: dict[str, list[LoadKey | None]] = {role: [None] * size for role, size in sizes.items()}
         self.pools: dict[str, list[SimWorker]] = {
-            "prefill": [SimWorker(f"prefill-{i:0{width}d}", "prefill", prefill_config, bytes_per_token,
-                                  stats_at_step_end) for i in range(num_prefill)],
-            "decode": [SimWorker(f"decode-{i:0{width}d}", "decode", decode_config, bytes_per_token,
-                                 stats_at_step_end) for i in range(num_decode)]}
+            role: [SimWorker(f"{role}-{i:0{width}d}", role, configs[role], bytes_per_token, stats_at_step_end,
+                             i, self._changed[role]) for i in range(size)]
+            for role, size in sizes.items()}
         self.workers = {w.worker_id: w for pool in self.pools.values() for w in pool}
-        self._positions = {role: {w.worker_id: i for i, w in enumerate(pool)} for role, pool in self.pools.items()}
         self.index = PrefixIndex()
         for worker_id in self.workers:
             self.index.reset_worker(worker_id, f"{worker_id}-sim")
@@ -171,17 +188,27 @@ class SimFleet:
         for event in worker.engine.pool.take_events():
             self.index.apply(worker.worker_id, event)
 
-    def views(self, role: str, block_hashes: list[BlockHash], matches: dict[str, int],
-              now: float) -> list[WorkerView]:
-        views = [worker.view(now) for worker in self.pools[role]]
-        positions = self._positions[role]
+    def views(self, role: str, block_hashes: list[BlockHash], matches: dict[str, int], now: float) -> LazyPool:
+        workers = self.pools[role]
+
+        def build(position: int) -> WorkerView:
+            worker = workers[position]
+            view = worker.view(now)
+            blocks = matches.get(worker.worker_id, 0)
+            if not blocks:
+                return view
+            followable = followable_blocks(self.index, worker.worker_id, block_hashes, blocks,
+                                           worker.queue_order(), view.prompt_step_cap, self.block_size)
+            return replace(view, cached_blocks=blocks, followable_blocks=followable)
+
+        load_keys, changed = self._load_keys[role], self._changed[role]
+        for position in changed:
+            load_keys[position] = workers[position].load_key()
+        changed.clear()
+        cached = [0] * len(workers)
         for worker_id, blocks in matches.items():
-            position = positions.get(worker_id)
-            if position is None:
-                continue
-            view = views[position]
-            followable = followable_blocks(self.index, worker_id, block_hashes, blocks,
-                                           self.workers[worker_id].queue_order(), view.prompt_step_cap,
-                                           self.block_size)
-            views[position] = replace(view, cached_blocks=blocks, followable_blocks=followable)
-        return views
+            worker = self.workers[worker_id]
+            if worker.role == role:
+                cached[worker.position] = blocks
+        # The pool shares the key list: it is read within this decision, before any worker changes.
+        return LazyPool(load_keys, cached, build)

@@ -142,7 +142,7 @@ class Simulation:
         prefill = self.fleet.views("prefill", flight.block_hashes, matches, self.now)
         decode = self.fleet.views("decode", flight.block_hashes, matches, self.now)
         if self.bindings:  # pinned engines report their cores, as a worker's heartbeats do
-            views = with_core_neighbours(prefill + decode, self.bindings)
+            views = with_core_neighbours([*prefill, *decode], self.bindings)
             prefill, decode = views[:len(prefill)], views[len(prefill):]
         return self.policy.decide(request, prefill, decode, self.cost_model)
 

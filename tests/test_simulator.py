@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import importlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import simulator.events
 from kvroute import identity
 from kvroute.bench.trace import TraceScaling, load_trace
 from kvroute.bench.workloads import RepositoryAssistantConfig, generate_workload
+from orchestrator.planner.candidates import load_key
 from orchestrator.planner.cost_model import DEFAULT_PREFILL, prefill_seconds_with
 from orchestrator.planner.policies import POLICIES
 from orchestrator.planner.settings import PlannerSettings
@@ -381,3 +383,31 @@ def test_a_pulled_prompt_is_not_queued_prefill():
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK))
     engine.submit(engine_request("pulled", tokens(1, 100), remote=True, num_output=1))
     assert engine.queued_prefill_tokens() == 0
+
+
+def test_the_pools_handed_to_the_policy_carry_the_keys_of_the_views_they_build(trace, monkeypatch):
+    """The fleet re-reads the load keys of touched workers only: at every decision they must
+    still be those of the views the pool builds."""
+    checked = []
+
+    class Checking:
+        def __init__(self, policy):
+            self.policy, self.name = policy, policy.name
+
+        def decide(self, request, prefill, decode, model):
+            for pool in (prefill, decode):
+                views = list(pool)
+                assert pool.load_keys == [load_key(view) for view in views]
+                assert pool.cached_blocks == [view.cached_blocks for view in views]
+            checked.append(request.request_id)
+            return self.policy.decide(request, prefill, decode, model)
+
+    module = importlib.import_module("simulator.simulate")  # the package exports a function of that name
+    real = module.make_policy
+    monkeypatch.setattr(module, "make_policy", lambda *args: Checking(real(*args)))
+    patient = replace(SMALL, admission=AdmissionSettings(wait_seconds=120.0))
+    checking = simulate(trace, "cache_aware", num_prefill=10, num_decode=10, settings=patient)
+    monkeypatch.setattr(module, "make_policy", real)
+    plain = simulate(trace, "cache_aware", num_prefill=10, num_decode=10, settings=patient)
+    assert len(checked) >= trace.kept and any(r.cached_tokens for r in plain.records)
+    assert checking.records == plain.records  # building every view changes no decision
