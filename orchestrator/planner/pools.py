@@ -24,33 +24,43 @@ class LazyPool(Sequence[WorkerView]):
     already made, by position."""
 
     def __init__(self, load_keys: list[LoadKey], cached_blocks: list[int], build: Callable[[int], WorkerView],
-                 built: dict[int, WorkerView] | None = None):
+                 built: dict[int, WorkerView] | None = None,
+                 build_all: Callable[[], list[WorkerView]] | None = None):
         if len(load_keys) != len(cached_blocks):
             raise ValueError("a load key and a cached-block count for every worker")
         self.load_keys, self.cached_blocks = load_keys, cached_blocks
-        self._build = build
-        self._views: dict[int, WorkerView] = dict(built or {})
+        self._build, self._build_all = build, build_all  # build_all: every view at once, where cheaper
+        self._slots: list[WorkerView | None] = [None] * len(load_keys)
+        for position, view in (built or {}).items():
+            self._slots[position] = view
+        self._complete = False  # every slot built: iteration reads the list as it is
 
     def __len__(self) -> int:
-        return len(self.load_keys)
+        return len(self._slots)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        view = self._views.get(index)
+        view = self._slots[index]  # raises IndexError as a list does
         if view is None:
-            view = self._views[index] = self._build(index)
+            position = index if index >= 0 else index + len(self)
+            view = self._slots[position] = self._build(position)
         return view
 
     def __iter__(self) -> Iterator[WorkerView]:
-        return (self[i] for i in range(len(self)))
+        # A policy that reads every worker (the baselines) may iterate the pool several
+        # times a decision: build what is missing once, then iterate the plain list.
+        if not self._complete:
+            slots, build = self._slots, self._build
+            if self._build_all is not None and self.num_built == 0:
+                slots[:] = self._build_all()
+            for position, view in enumerate(slots):
+                if view is None:
+                    slots[position] = build(position)
+            self._complete = True
+        return iter(self._slots)
 
     @property
     def num_built(self) -> int:
         """Views built so far (what reading the pool has cost)."""
-        return len(self._views)
-
+        return len(self._slots) - self._slots.count(None)
