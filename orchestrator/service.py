@@ -180,10 +180,10 @@ class CompletionService:
         A worker whose heartbeat the ledger has nothing to correct for is keyed by its
         heartbeat alone; the others' views are built now, as their keys need the ledger."""
         workers = [w for w in self.fleet.live(role) if w.worker_id not in excluded]
+        cached = [matches.get(w.worker_id, 0) for w in workers]
 
         def build(position: int) -> WorkerView:
-            worker = workers[position]
-            return self._view(worker, role, block_hashes, matches.get(worker.worker_id, 0))
+            return self._view(workers[position], role, block_hashes, cached[position])
 
         built, load_keys = {}, []
         for position, worker in enumerate(workers):
@@ -193,7 +193,7 @@ class CompletionService:
             else:
                 built[position] = build(position)
                 load_keys.append(load_key(built[position]))
-        return LazyPool(load_keys, [matches.get(w.worker_id, 0) for w in workers], build, built)
+        return LazyPool(load_keys, cached, build, built)
 
     def _with_core_neighbours(self, prefill: Sequence[WorkerView],
                               decode: Sequence[WorkerView]) -> tuple[Sequence[WorkerView], Sequence[WorkerView]]:

@@ -191,23 +191,14 @@ class SimFleet:
     def views(self, role: str, block_hashes: list[BlockHash], matches: dict[str, int], now: float) -> LazyPool:
         workers = self.pools[role]
 
-        def with_match(worker: SimWorker, view: WorkerView, blocks: int) -> WorkerView:
+        def build(position: int) -> WorkerView:
+            worker, blocks = workers[position], cached[position]
+            view = worker.view(now)
             if not blocks:
                 return view
             followable = followable_blocks(self.index, worker.worker_id, block_hashes, blocks,
                                            worker.queue_order(), view.prompt_step_cap, self.block_size)
             return replace(view, cached_blocks=blocks, followable_blocks=followable)
-
-        def build(position: int) -> WorkerView:
-            worker = workers[position]
-            return with_match(worker, worker.view(now), matches.get(worker.worker_id, 0))
-
-        def build_all() -> list[WorkerView]:  # what a baseline reads: a plain pass, then the matched few
-            views = [worker.view(now) for worker in workers]
-            for position, blocks in enumerate(cached):
-                if blocks:
-                    views[position] = with_match(workers[position], views[position], blocks)
-            return views
 
         load_keys, changed = self._load_keys[role], self._changed[role]
         for position in changed:
@@ -219,4 +210,4 @@ class SimFleet:
             if worker.role == role:
                 cached[worker.position] = blocks
         # The pool shares the key list: it is read within this decision, before any worker changes.
-        return LazyPool(load_keys, cached, build, build_all=build_all)
+        return LazyPool(load_keys, cached, build)

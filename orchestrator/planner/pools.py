@@ -24,12 +24,11 @@ class LazyPool(Sequence[WorkerView]):
     already made, by position."""
 
     def __init__(self, load_keys: list[LoadKey], cached_blocks: list[int], build: Callable[[int], WorkerView],
-                 built: dict[int, WorkerView] | None = None,
-                 build_all: Callable[[], list[WorkerView]] | None = None):
+                 built: dict[int, WorkerView] | None = None):
         if len(load_keys) != len(cached_blocks):
             raise ValueError("a load key and a cached-block count for every worker")
         self.load_keys, self.cached_blocks = load_keys, cached_blocks
-        self._build, self._build_all = build, build_all  # build_all: every view at once, where cheaper
+        self._build = build
         self._slots: list[WorkerView | None] = [None] * len(load_keys)
         for position, view in (built or {}).items():
             self._slots[position] = view
@@ -52,8 +51,6 @@ class LazyPool(Sequence[WorkerView]):
         # times a decision: build what is missing once, then iterate the plain list.
         if not self._complete:
             slots, build = self._slots, self._build
-            if self._build_all is not None and self.num_built == 0:
-                slots[:] = self._build_all()
             for position, view in enumerate(slots):
                 if view is None:
                     slots[position] = build(position)
