@@ -49,6 +49,9 @@ class PoolSettings:
     shared_copies: bool = setting(True, "decode workers read a prefill worker's staged KV from shared memory "
                                         "(all workers run on this host); off: every pull as frames, as between "
                                         "hosts")
+    evict_pulled_first: bool = setting(True, "decode workers evict the prompts they pulled before the ones they "
+                                             "prefilled themselves (the prefill worker most likely still holds "
+                                             "them); off: vLLM's plain LRU order")
     pull_timeout_seconds: float = setting(WorkerSettings.pull_timeout_seconds,
                                           "seconds a decode worker waits for a pull of KV before it recomputes "
                                           "the prompt itself")
@@ -65,7 +68,8 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get a core each, not all of them each.
             "--omp-threads-bind", str(core), "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
-            *([] if pool.shared_copies else ["--no-shared-copies"])]
+            *([] if pool.shared_copies else ["--no-shared-copies"]),
+            *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"])]
 
 
 def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str) -> list[LaunchedWorker]:

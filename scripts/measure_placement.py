@@ -87,7 +87,7 @@ from kvroute.bench.workloads import (RepositoryAssistantConfig, estimate_prefix_
                                      tokenizer_counter)
 from kvroute.netutil import free_port  # noqa: E402
 from kvroute.worker.dtype import resolve_here  # noqa: E402
-from kvroute.worker.settings import default_long_prefill_tokens  # noqa: E402
+from kvroute.worker.settings import WorkerSettings, default_long_prefill_tokens  # noqa: E402
 
 console = Console(width=170)  # the table is wide; also when the output goes to a file
 
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"config": asdict(config), "prefix_tokens": prefix_tokens, "working_set_tokens": working_set,
                      "longest_prompt_tokens": longest_prompt, "requests_per_repository": dict(sorted(popularity.items())),
                      "kv_cache_tokens_per_worker": per_worker_tokens,
-                     "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")}},
+                     "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")},
+                     "evict_pulled_first": WorkerSettings.evict_pulled_first},
         "workers": names,
         "summaries": summaries,
         "ratios": ratios(summaries),

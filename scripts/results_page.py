@@ -55,6 +55,7 @@ from kvroute.bench.replay_plots import _save as save_figure, ttft_cdf  # noqa: E
 from kvroute.bench.replay_results import ratios  # noqa: E402
 from kvroute.bench.trace import TraceScaling, read_trace, scale_trace  # noqa: E402
 from kvroute.bench.workloads import RepositoryAssistantConfig, generate_workload, prefix_target_tokens  # noqa: E402
+from kvroute.worker.settings import WorkerSettings  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulate import DEFAULT_TRACE, bounds  # noqa: E402
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
@@ -126,12 +127,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_setup(real: Path | None) -> Setup:
     if real is None:
         engine = default_engine(DEFAULT_REPOSITORY)
+        trace_engine = EngineConfig(evict_pulled_first=WorkerSettings.evict_pulled_first)
         return Setup(SimCalibration(), "the simulator's default curves (SimCalibration)", DEFAULT_REPOSITORY,
                      DEFAULT_REFERENCE_PREFILL, SimulationSettings(prefill_engine=engine, decode_engine=engine),
-                     SimulationSettings(), "exact views, blocks freed when a request ends (simulator defaults)")
+                     SimulationSettings(prefill_engine=trace_engine, decode_engine=trace_engine),
+                     "exact views, blocks freed when a request ends (simulator defaults)")
     results, decisions, _ = validate_simulator.load_real(real)
     cluster = cluster_from_replay(results, decisions)
-    trace_engine = replace(EngineConfig(), hold_sent_blocks=cluster.engine.hold_sent_blocks)
+    trace_engine = replace(EngineConfig(), hold_sent_blocks=cluster.engine.hold_sent_blocks,
+                           evict_pulled_first=cluster.engine.evict_pulled_first)
     return Setup(replace(calibration_from_replay(results, decisions), step_jitter=0.0),
                  f"fitted to the real run {real} (simulator.from_replay), jitter-free",
                  RepositoryAssistantConfig(**results["workload"]["config"]), cluster.num_prefill,
@@ -145,7 +149,8 @@ def default_engine(config: RepositoryAssistantConfig) -> EngineConfig:
     working_set = sum(prefix_target_tokens(config, r) for r in range(config.repositories))
     longest = max(r.prompt_tokens for r in replay_requests(generate_workload(config)))
     tokens = CACHE_FRACTION * working_set + longest + config.max_tokens
-    return EngineConfig(num_blocks=ceil_div(int(tokens), EngineConfig().block_size))
+    return EngineConfig(num_blocks=ceil_div(int(tokens), EngineConfig().block_size),
+                        evict_pulled_first=WorkerSettings.evict_pulled_first)
 
 
 # ---------------------------------------------------------------- running

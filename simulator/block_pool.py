@@ -16,7 +16,9 @@ Mirrors vLLM's ``BlockPool``. A block is either
       └──────────────────────────evict (LRU, emits BlockRemoved)─────────────────┘
 
 Eviction takes the least recently released block; requests release their blocks tail
-first, so a chain's head outlives its tail. Invariant: ``0 <= num_used <= num_total``,
+first, so a chain's head outlives its tail. Blocks promoted ``evict_first`` (a decode
+worker's pulled prompt, ``EngineConfig.evict_pulled_first``) are released to the front
+of that order instead, until a hit acquires them. Invariant: ``0 <= num_used <= num_total``,
 checked on every allocation. Single writer: the engine that owns the pool. Its events
 (``BlockStored`` from the engine, ``BlockRemoved`` from evictions) are drained once, in
 order, with ``take_events()``, as vLLM's publisher does.
@@ -45,6 +47,7 @@ class BlockPool:
         self.num_evicted = 0
         self._references: dict[BlockHash, int] = {}  # every cached block → requests referencing it
         self._evictable: OrderedDict[BlockHash, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._evict_first: set[BlockHash] = set()  # cached blocks released to the front of the LRU
         self._events: list[KVEvent] = []
 
     # ------------------------------------------------------------ reads
@@ -78,6 +81,7 @@ class BlockPool:
                 del self._evictable[key]
                 self._use(1)
             self._references[key] += 1
+            self._evict_first.discard(key)
 
     def allocate(self, count: int) -> None:
         """Take ``count`` private blocks, evicting cached ones when nothing else is free."""
@@ -86,17 +90,20 @@ class BlockPool:
         if shortfall > 0:
             self._evict(shortfall)
 
-    def promote(self, key: BlockHash) -> bool:
+    def promote(self, key: BlockHash, evict_first: bool = False) -> bool:
         """A private block now holds the full block ``key``: cache it, still in use.
         False when ``key`` is already cached (the block then stays private)."""
         if key in self._references:
             return False
         self._references[key] = 1
+        if evict_first:
+            self._evict_first.add(key)
         return True
 
     def release(self, blocks: Sequence[BlockHash | None]) -> None:
         """Drop one request's blocks (its block table: a key per cached block, None per
-        private one), tail first."""
+        private one), tail first; ``evict_first`` ones to the front, tail foremost."""
+        front = []
         for key in reversed(blocks):
             if key is None:
                 self.num_used -= 1
@@ -105,6 +112,10 @@ class BlockPool:
             if self._references[key] == 0:
                 self._evictable[key] = None
                 self.num_used -= 1
+                if key in self._evict_first:
+                    front.append(key)
+        for key in reversed(front):
+            self._evictable.move_to_end(key, last=False)
 
     def publish(self, event: BlockStored) -> None:
         self._events.append(event)
@@ -126,5 +137,6 @@ class BlockPool:
         evicted = [self._evictable.popitem(last=False)[0] for _ in range(count)]
         for key in evicted:
             del self._references[key]
+            self._evict_first.discard(key)
         self.num_evicted += count
         self._events.append(BlockRemoved(block_hashes=evicted))

@@ -74,6 +74,10 @@ class EngineConfig:
     # (kvroute stages them to host memory meanwhile); an engine with nothing else to do
     # frees them at once (it steps idly until then). False: freed when the request ends.
     hold_sent_blocks: bool = False
+    # A pulled prompt's blocks go first when the engine must evict, as kvroute's connector
+    # orders them on decode workers (``transfer.connector_scheduler``); a block a local
+    # request hits since keeps the plain LRU order. False: vLLM's plain LRU.
+    evict_pulled_first: bool = False
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -129,7 +133,7 @@ class Engine:
         assert request.state is RequestState.PULLING, request.state
         request.num_computed = request.num_prompt
         request.state = RequestState.READY
-        self._register_full_blocks(request, request.num_prompt)
+        self._register_full_blocks(request, request.num_prompt, evict_first=self.config.evict_pulled_first)
 
     def pull_failed(self, request: EngineRequest) -> None:
         """The prefill worker refused the pull: kvroute's connector then recomputes the
@@ -309,14 +313,14 @@ class Engine:
         request.num_output += 1
         return 1
 
-    def _register_full_blocks(self, request: EngineRequest, tokens: int) -> None:
+    def _register_full_blocks(self, request: EngineRequest, tokens: int, evict_first: bool = False) -> None:
         """Cache the prompt's full blocks among its first ``tokens`` (computed, or scheduled
         to be computed in this step); publish them as vLLM would."""
         size = self.config.block_size
         done = min(tokens, request.num_prompt) // size
         run_start = None
         for index in range(request.num_registered, done):
-            if request.blocks[index] is None and self.pool.promote(request.block_keys[index]):
+            if request.blocks[index] is None and self.pool.promote(request.block_keys[index], evict_first):
                 request.blocks[index] = request.block_keys[index]
                 run_start = index if run_start is None else run_start
                 continue

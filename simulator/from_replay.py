@@ -137,7 +137,10 @@ def cluster_from_replay(results: dict, decisions: Sequence[dict] = ()) -> Replay
     ordered = tuple(roles["prefill"] + roles["decode"])
     block_size = next((d["block_size"] for d in decisions if d.get("block_size")), VLLM_CPU_BLOCK_SIZE)
     num_blocks = int(results["workload"]["kv_cache_tokens_per_worker"] // block_size)  # vLLM rounds down
-    engine = EngineConfig(num_blocks=num_blocks, block_size=block_size, hold_sent_blocks=True)
+    # Replays from before decode workers evicted pulled prompts first did not record it.
+    evict_pulled_first = results["workload"].get("evict_pulled_first", False)
+    engine = EngineConfig(num_blocks=num_blocks, block_size=block_size, hold_sent_blocks=True,
+                          evict_pulled_first=evict_pulled_first)
     cores = worker_cores(results)
     cpus = results.get("machine", {}).get("cpus") or 0
     if cpus and all(w in cores for w in ordered):

@@ -108,6 +108,46 @@ def test_pool_evicts_least_recently_released_and_never_overfills():
     assert pool.max_used <= pool.num_total
 
 
+def test_pool_releases_evict_first_blocks_to_the_front_tail_foremost_until_a_hit():
+    pool = BlockPool(6)
+    pool.allocate(2)
+    for key in (1, 2):
+        pool.promote(key)
+    pool.release([1, 2])  # older, plain: LRU order 2, 1
+    pool.allocate(3)
+    for key in (21, 22, 23):
+        pool.promote(key, evict_first=True)
+    pool.release([21, 22, 23])  # newer, but first to go: 23, 22, 21, then 2, 1
+    pool.allocate(6 - 2)  # 1 free block, then evicts 3
+    assert [event.block_hashes for event in pool.take_events()] == [[23, 22, 21]]
+    pool.release([None] * 4)
+
+    pool.allocate(1)
+    pool.promote(31, evict_first=True)
+    pool.release([31])
+    pool.acquire([31])  # a local hit: from now on plain LRU
+    pool.release([31])  # order 2, 1, 31
+    pool.allocate(6)
+    assert [event.block_hashes for event in pool.take_events()] == [[2, 1, 31]]
+
+
+@pytest.mark.parametrize("evict_pulled_first, survivor", [(True, "local"), (False, "pulled")])
+def test_a_decode_engine_evicts_pulled_prompts_before_its_own_only_when_told(evict_pulled_first, survivor):
+    engine = Engine(EngineConfig(num_blocks=10, block_size=BLOCK, evict_pulled_first=evict_pulled_first))
+    local = engine_request("local", tokens(1, 64))  # prefilled here: 4 blocks
+    engine.submit(local)
+    run_engine(engine)
+    pulled = engine_request("pulled", tokens(2, 64), max_tokens=2, num_output=1, remote=True)
+    engine.submit(pulled)  # released after the local one: the more recent, in plain LRU
+    engine.schedule()
+    engine.pull_done(pulled)
+    run_engine(engine)
+    engine.submit(engine_request("squeeze", tokens(3, 48)))  # 3 blocks of 10: evicts 1 of the 8 cached
+    run_engine(engine)
+    kept = {name: engine.pool.cached_prefix(r.block_keys, 4) for name, r in (("local", local), ("pulled", pulled))}
+    assert kept[survivor] == 4 and min(kept.values()) < 4, kept
+
+
 # ---------------------------------------------------------------- engine
 
 

@@ -7,6 +7,13 @@ Per request, ``kv_transfer_params["kvroute"]`` says what to do:
 * consumer: ``{"pull_from": PullSource}`` — report the prompt tokens the producer
   holds beyond the local prefix cache as external, and pull only those blocks.
 
+Pulled blocks are first to evict (``ConnectorSettings.evict_pulled_first``): when a
+consumer's request ends, the prompt blocks it pulled go in front of every other cached
+block in vLLM's free queue (``transfer.free_queue``) instead of behind them, so the
+consumer's cache spends its room on what only it holds (prompts it prefilled itself)
+rather than on copies the producer most likely still has. A pulled block that another
+request is using by then keeps vLLM's order.
+
 Everything here is bookkeeping; all I/O happens in the worker half.
 """
 
@@ -19,6 +26,7 @@ import secrets
 from typing import Any
 
 from kvroute import wire
+from transfer.free_queue import demote
 from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
 from transfer.settings import ConnectorSettings
 
@@ -26,6 +34,7 @@ logger = logging.getLogger("kvroute.transfer.scheduler")
 
 PARAMS_KEY = "kvroute"
 HANDLE_BYTES = 16  # 128 random bits: a handle is the only credential for tenant data
+MAX_PENDING_DEMOTIONS = 4096  # ended requests whose pulled blocks wait to be demoted; older ones are dropped
 
 
 def prompt_digest(token_ids: list[int], cache_salt: str | None) -> str:
@@ -49,6 +58,8 @@ class ConnectorScheduler:
         self.block_size = block_size
         self._pending = KVRouteConnectorMetadata()
         self._allocated: set[str] = set()  # consumer requests whose pull is planned
+        self._pulled: dict[str, list[Any]] = {}  # consumer request → the vLLM blocks its pull fills
+        self._finished_pulls: list[list[tuple[Any, Any]]] = []  # (block, its hash) of ended requests, to demote
 
     # ---------------------------------------------------------------- consumer
 
@@ -63,7 +74,11 @@ class ConnectorScheduler:
             return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Side-effect free: the producer's tokens beyond the local prefix hit."""
+        """The producer's tokens beyond the local prefix hit; free of side effects on the
+        request. vLLM asks this of a new request before it allocates the request's blocks,
+        so ended requests' pulled blocks are demoted here first (an idle engine takes no
+        step between the last request's end and the next one's allocation)."""
+        self._demote_finished_pulls()
         source = self.pull_source(request)
         if source is None or request.request_id in self._allocated:
             return 0, False
@@ -99,7 +114,10 @@ class ConnectorScheduler:
         num_local_blocks = sum(1 for block in group if block.block_hash is not None)
         num_tokens = num_local_blocks * self.block_size + num_external_tokens
         last = math.ceil(num_tokens / self.block_size)
-        local_ids = tuple(block.block_id for block in group[num_local_blocks:last])
+        pulled = group[num_local_blocks:last]
+        if self.settings.evict_pulled_first:
+            self._pulled[request_id] = list(pulled)
+        local_ids = tuple(block.block_id for block in pulled)
         return LoadSpec(request_id, source, tuple(range(num_local_blocks, last)), local_ids)
 
     # ---------------------------------------------------------------- producer
@@ -109,6 +127,8 @@ class ConnectorScheduler:
         request_id = request.request_id
         if request_id in self._allocated:
             self._allocated.discard(request_id)
+            if (pulled := self._pulled.pop(request_id, None)) is not None:
+                self._note_finished_pull(pulled, block_ids)
         elif (source := self.pull_source(request)) is not None:
             # Finished (aborted or rejected) before a pull was planned: give the lease back.
             self._pending.releases.append((source, "abort"))
@@ -127,9 +147,37 @@ class ConnectorScheduler:
     # ---------------------------------------------------------------- per step
 
     def build_connector_meta(self, num_scheduled_tokens: int = 1) -> KVRouteConnectorMetadata:
+        self._demote_finished_pulls()
         metadata, self._pending = self._pending, KVRouteConnectorMetadata()
         metadata.idle_step = num_scheduled_tokens == 0
         return metadata
+
+    def _note_finished_pull(self, pulled: list[Any], block_ids: list[int]) -> None:
+        """vLLM frees the request's blocks right after ``request_finished``; remember which
+        pulled ones it still holds (a preempted request was given new blocks) and what
+        they hold."""
+        held = set(block_ids)
+        blocks = [(b, b.block_hash) for b in pulled if b.block_id in held and b.block_hash is not None]
+        if blocks:
+            self._finished_pulls.append(blocks)
+            del self._finished_pulls[:-MAX_PENDING_DEMOTIONS]
+
+    def _demote_finished_pulls(self) -> None:
+        """Put the ended requests' pulled blocks first among the free cached blocks: older
+        requests first, each tail first (a chain's head outlives its tail, as in vLLM's own
+        order). Runs once vLLM has freed them: before the next request's allocation, or at the
+        next step. A block some request uses
+        again by then, or that no longer holds what was pulled into it, is left alone. While
+        a long run of never-cached free blocks leads the queue nothing cached is evicted;
+        the blocks wait for a later step."""
+        if not self._finished_pulls:
+            return
+        self._finished_pulls = [idle for pulled in self._finished_pulls
+                                if (idle := [(b, held) for b, held in pulled if b.ref_cnt == 0 and b.block_hash == held])]
+        blocks = [b for pulled in self._finished_pulls for b, _ in reversed(pulled)]
+        pool = getattr(blocks[0], "pool", None) if blocks else None
+        if pool is None or demote(pool.free_block_queue, blocks):
+            self._finished_pulls = []
 
 
 def _finished_normally(request: Any) -> bool:

@@ -40,6 +40,9 @@ class ConnectorSettings:
     # Stage leases in shared memory, and read a producer's staged copy straight into this
     # cache when both ends run on one host (transfer.shared_copies); off: always frames.
     shared_copies: bool = True
+    # A consumer's pulled prompt blocks go first when its cache must evict (see
+    # transfer.connector_scheduler); off: vLLM's plain LRU order.
+    evict_pulled_first: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":

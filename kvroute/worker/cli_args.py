@@ -66,6 +66,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stage leases in private memory and always send pulled KV as frames, also "
                              "between workers on one host (default: a consumer on the producer's host reads "
                              "the staged copy from shared memory straight into its cache)")
+    parser.add_argument("--no-evict-pulled-first", dest="evict_pulled_first", action="store_false",
+                        help="keep pulled prompt blocks in vLLM's plain LRU order (default: a decode worker "
+                             "evicts the prompts it pulled before the ones it prefilled itself, since the "
+                             "prefill worker most likely still holds them)")
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
@@ -86,7 +90,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
         step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
-        transfer_link=args.transfer_link, shared_copies=args.shared_copies)
+        transfer_link=args.transfer_link, shared_copies=args.shared_copies,
+        evict_pulled_first=args.evict_pulled_first)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "pull_timeout_seconds": settings.pull_timeout_seconds,
             "transfer_link": settings.transfer_link,
             "shared_copies": settings.shared_copies,
+            "evict_pulled_first": settings.evict_pulled_first,
         },
     )
 

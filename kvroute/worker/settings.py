@@ -59,6 +59,8 @@ class WorkerSettings:
     transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
     # Leases staged in shared memory, read in place by consumers on this host (transfer.shared_copies).
     shared_copies: bool = True
+    # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
+    evict_pulled_first: bool = True
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
