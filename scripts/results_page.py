@@ -131,7 +131,8 @@ def make_setup(real: Path | None) -> Setup:
         return Setup(SimCalibration(), "the simulator's default curves (SimCalibration)", DEFAULT_REPOSITORY,
                      DEFAULT_REFERENCE_PREFILL, SimulationSettings(prefill_engine=engine, decode_engine=engine),
                      SimulationSettings(prefill_engine=trace_engine, decode_engine=trace_engine),
-                     "exact views, blocks freed when a request ends (simulator defaults)")
+                     "exact views, blocks freed when a request ends (simulator defaults); a decode worker's "
+                     "pulled prompts evicted first, as kvroute's workers do by default")
     results, decisions, _ = validate_simulator.load_real(real)
     cluster = cluster_from_replay(results, decisions)
     trace_engine = replace(EngineConfig(), hold_sent_blocks=cluster.engine.hold_sent_blocks,
@@ -141,7 +142,9 @@ def make_setup(real: Path | None) -> Setup:
                  RepositoryAssistantConfig(**results["workload"]["config"]), cluster.num_prefill,
                  cluster.settings(cpu=CpuSettings()),
                  cluster.settings(cpu=CpuSettings(), prefill_engine=trace_engine, decode_engine=trace_engine),
-                 "as validated: load reported once per step, a sent prefill's blocks held for a step")
+                 "as validated: load reported once per step, a sent prefill's blocks held for a step"
+                 + ("; a decode worker's pulled prompts evicted first, as in that run"
+                    if cluster.engine.evict_pulled_first else ""))
 
 
 def default_engine(config: RepositoryAssistantConfig) -> EngineConfig:

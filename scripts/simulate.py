@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-prefill-tokens", type=int, default=PREFILL_LONG_PREFILL_TOKENS,
                         help="most prompt tokens one request computes a step while others wait, as the "
                              "workers' flag (default: %(default)s; 0: whole steps in turn)")
+    parser.add_argument("--no-evict-pulled-first", dest="evict_pulled_first", action="store_false",
+                        help="decode workers keep pulled prompts in plain LRU order, as the workers' flag "
+                             "(default: pulled prompts are evicted first, as kvroute's workers do)")
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     source = load_requests(args)
     calibration = SimCalibration.from_json(args.calibration) if args.calibration else SimCalibration()
     engine = EngineConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
-                          long_prefill_tokens=args.long_prefill_tokens)
+                          long_prefill_tokens=args.long_prefill_tokens, evict_pulled_first=args.evict_pulled_first)
     settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores))
     oracle = bounds(source, args)
     results = []
