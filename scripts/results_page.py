@@ -17,16 +17,20 @@ Beside each: the reuse bounds of ``simulate.py`` (unlimited cache; one shared LR
 of all workers' blocks with perfect routing). Cost curves and workload base: with
 ``--real``, the curves fitted to that ``measure_placement`` run (``simulator.from_replay``),
 its workload config and engine cache, its model of per-step load reports and held
-blocks, and the validation table of ``validate_simulator.py``; else the ``SimCalibration``
-defaults and ``measure_placement``'s default workload with a cache sized by its rule.
+blocks, and the validation table of ``validate_simulator.py``; with ``--from-page``, what an
+earlier page recorded (its curves, workload base, engines and real-cluster section), to
+redo the simulated part after a change to kvroute without a new real replay (engine
+settings that page did not record take the workers' current defaults); else the
+``SimCalibration`` defaults and ``measure_placement``'s default workload with a cache sized
+by its rule.
 
 Output (``--output``, default docs/results): ``RESULTS.md``, ``results.json`` (every number
 on the page) and PNG plots. ``--quick``: a smoke run (sizes 2 and 8, few requests).
 
 Usage::
 
-    .venv/bin/python scripts/results_page.py [--output docs/results] [--real results/measure_placement/results.json]
-        [--quick]
+    .venv/bin/python scripts/results_page.py [--output docs/results]
+        [--real results/measure_placement/results.json | --from-page docs/results/results.json] [--quick]
 """
 
 from __future__ import annotations
@@ -118,7 +122,11 @@ class Setup:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "results")
-    parser.add_argument("--real", type=Path, help="results.json of scripts/measure_placement.py")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--real", type=Path, help="results.json of scripts/measure_placement.py")
+    source.add_argument("--from-page", type=Path,
+                        help="results.json of an earlier page: its curves, workload base, engines and "
+                             "real-cluster section, without a new replay")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--quick", action="store_true", help="sizes 2 and 8, few requests: a smoke run")
     return parser.parse_args(argv)
@@ -145,6 +153,34 @@ def make_setup(real: Path | None) -> Setup:
                  "as validated: load reported once per step, a sent prefill's blocks held for a step"
                  + ("; a decode worker's pulled prompts evicted first, as in that run"
                     if cluster.engine.evict_pulled_first else ""))
+
+
+def setup_from_page(page: Path) -> tuple[Setup, dict | None]:
+    """What an earlier page recorded, and its real-cluster section. Engine settings it did
+    not record (it predates them) take kvroute's current worker defaults, and the page says so."""
+    report = json.loads(page.read_text())
+    defaults = {"evict_pulled_first": WorkerSettings.evict_pulled_first}
+    added = sorted(set(defaults) - set(report["trace_engine"]))
+
+    def engine(name: str, fallback: str | None = None) -> EngineConfig:
+        recorded = report.get(name) or report[fallback]  # pages before the decode engine was recorded: as prefill's
+        return EngineConfig(**{k: v for k, v in defaults.items() if k in added} | recorded)
+
+    # Pages from a real run model per-step load reports; pages from before this was recorded say so by "real".
+    at_step_end = report.get("stats_at_step_end", report["real"] is not None)
+    settings = {
+        "repository": SimulationSettings(prefill_engine=engine("repository_engine"),
+                                         decode_engine=engine("repository_decode_engine", "repository_engine"),
+                                         cpu=CpuSettings(), stats_at_step_end=at_step_end),
+        "trace": SimulationSettings(prefill_engine=engine("trace_engine"), decode_engine=engine("trace_engine"),
+                                    cpu=CpuSettings(), stats_at_step_end=at_step_end)}
+    model = report["model"] + "".join(f"; {name} = {defaults[name]} (kvroute's default now; not recorded by "
+                                      f"{page})" for name in added)
+    setup = Setup(SimCalibration.from_dict(report["calibration"]),
+                  f"{report['calibration_source']}, as recorded by {page}",
+                  RepositoryAssistantConfig(**report["repository_base"]), report["reference_prefill"],
+                  settings["repository"], settings["trace"], model)
+    return setup, report["real"] and report["real"] | {"recorded_by": str(page)}
 
 
 def default_engine(config: RepositoryAssistantConfig) -> EngineConfig:
@@ -484,7 +520,9 @@ def real_section(real: dict) -> str:
            f"), {config['requests']} requests at {config['rate']} requests/s over {config['repositories']} "
            f"repositories: cache_aware/round_robin P50 {cell(ratio.get('cache_aware_over_round_robin_p50_ttft'))}, "
            f"cache_aware/{ratio.get('best_baseline_p99_ttft')} (best baseline) P99 "
-           f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}.\n\n{summaries}")
+           f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}."
+           + (f" As recorded by `{real['recorded_by']}`, with its validation table (the simulator as it was "
+              f"then)." if real.get("recorded_by") else "") + f"\n\n{summaries}")
     if "comparison" not in real:
         return out + f"\n\nNo validation table: {real.get('validation_error')}."
     rows = [[policy, cell(r["real_p50_s"]), cell(r["sim_p50_s"]), cell(r["p50_ratio"], "x"),
@@ -513,7 +551,7 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    setup = make_setup(args.real)
+    setup, carried_real = setup_from_page(args.from_page) if args.from_page else (make_setup(args.real), None)
     sizes = QUICK_SIZES if args.quick else SIZES
     print(f"{REPOSITORY} ({setup.calibration_source})", flush=True)
     repository_rows, repository_cdf = repository_runs(
@@ -524,13 +562,15 @@ def main(argv: list[str] | None = None) -> int:
     judge_targets(workloads)
     args.output.mkdir(parents=True, exist_ok=True)
     plots = write_plots(workloads, {REPOSITORY: repository_cdf, TRACE: trace_cdf}, args.output)
-    real = validation(args.real) if args.real else None
+    real = validation(args.real) if args.real else carried_real
     report = {"command": " ".join(["scripts/results_page.py"] + (argv if argv is not None else sys.argv[1:])),
               "quick": args.quick, "calibration_source": setup.calibration_source,
               "calibration": setup.calibration.to_dict(), "model": setup.model,
               "reference_prefill": setup.reference_prefill, "repository_base": asdict(setup.repository),
               "repository_engine": asdict(setup.repository_settings.prefill_engine),
+              "repository_decode_engine": asdict(setup.repository_settings.decode_engine),
               "trace_engine": asdict(setup.trace_settings.prefill_engine), "trace": str(args.trace),
+              "stats_at_step_end": setup.repository_settings.stats_at_step_end,
               "workloads": workloads, "plots": plots, "real": real,
               "wall_seconds": time.perf_counter() - started, "cpus": os.cpu_count(),
               "load_average": os.getloadavg(), "niceness": os.nice(0)}

@@ -120,3 +120,35 @@ def test_scaling_keeps_the_load_per_worker():
     slow = SimCalibration(prefill_per_token_seconds=3e-3)
     ratio = cold_prefill_seconds(prompts, slow) / cold_prefill_seconds(prompts, SimCalibration())
     assert trace_time_scale(prompts, 4, slow) == pytest.approx(ratio)
+
+
+def test_a_page_redone_from_its_own_record_simulates_the_same(page, tmp_path):
+    output, report, _ = page
+    assert results_page.main(["--quick", "--from-page", str(output / "results.json"),
+                               "--output", str(tmp_path)]) == 0
+    redone = json.loads((tmp_path / "results.json").read_text())
+    for workload, rows in report["workloads"].items():
+        for row, again in zip(rows, redone["workloads"][workload], strict=True):
+            for policy, summary in row["policies"].items():
+                ours = again["policies"][policy]
+                assert {k: v for k, v in ours.items() if k != "wall_seconds"} == \
+                       {k: v for k, v in summary.items() if k != "wall_seconds"}, (workload, row["workers"], policy)
+    assert redone["calibration"] == report["calibration"] and redone["model"] == report["model"]
+
+
+def test_engine_settings_a_page_did_not_record_take_the_workers_defaults(page, tmp_path):
+    output, report, _ = page
+    old = json.loads((output / "results.json").read_text())
+    for name in ("repository_engine", "trace_engine"):
+        del old[name]["evict_pulled_first"]
+    del old["repository_decode_engine"]
+    old["real"] = {"summaries": {}, "ratios": {}, "workers": {}, "workload": {}}
+    del old["stats_at_step_end"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    setup, real = results_page.setup_from_page(path)
+    for settings in (setup.repository_settings, setup.trace_settings):
+        assert settings.prefill_engine.evict_pulled_first is results_page.WorkerSettings.evict_pulled_first
+        assert settings.stats_at_step_end  # a page with a real run modelled per-step load reports
+    assert "evict_pulled_first = True (kvroute's default now; not recorded by" in setup.model
+    assert real["recorded_by"] == str(path)
