@@ -60,6 +60,7 @@ class ConnectorScheduler:
         self._allocated: set[str] = set()  # consumer requests whose pull is planned
         self._pulled: dict[str, list[Any]] = {}  # consumer request → the vLLM blocks its pull fills
         self._finished_pulls: list[list[tuple[Any, Any]]] = []  # (block, its hash) of ended requests, to demote
+        self._demotion_waits = False  # the last scan met a long never-cached run; no rescans until the step ends
 
     # ---------------------------------------------------------------- consumer
 
@@ -78,7 +79,8 @@ class ConnectorScheduler:
         request. vLLM asks this of a new request before it allocates the request's blocks,
         so ended requests' pulled blocks are demoted here first (an idle engine takes no
         step between the last request's end and the next one's allocation)."""
-        self._demote_finished_pulls()
+        if not self._demotion_waits:  # else the queue was scanned in vain this step: retried at its end
+            self._demote_finished_pulls()
         source = self.pull_source(request)
         if source is None or request.request_id in self._allocated:
             return 0, False
@@ -147,6 +149,7 @@ class ConnectorScheduler:
     # ---------------------------------------------------------------- per step
 
     def build_connector_meta(self, num_scheduled_tokens: int = 1) -> KVRouteConnectorMetadata:
+        self._demotion_waits = False
         self._demote_finished_pulls()
         metadata, self._pending = self._pending, KVRouteConnectorMetadata()
         metadata.idle_step = num_scheduled_tokens == 0
@@ -178,6 +181,8 @@ class ConnectorScheduler:
         pool = getattr(blocks[0], "pool", None) if blocks else None
         if pool is None or demote(pool.free_block_queue, blocks):
             self._finished_pulls = []
+        else:
+            self._demotion_waits = True
 
 
 def _finished_normally(request: Any) -> bool:
