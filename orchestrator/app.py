@@ -40,14 +40,14 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
                   f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id,
                   settings.breaker_settings(), settings.retry_policy())
-    index, metrics, calibration = PrefixIndex(), Metrics(), Calibration()
+    index, metrics, calibration = PrefixIndex(settings.pending_settings()), Metrics(), Calibration()
     index_sync = IndexSync(index)
     fleet.listeners += [index_sync, StartupCalibration(calibration)]
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
     service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds, settings.admission_wait_seconds,
-                                settings.max_attempts)
+                                settings.max_attempts, settings.queue_wait_limit_seconds)
     model_name = settings.served_model_name or Path(model_path).name
 
     @asynccontextmanager

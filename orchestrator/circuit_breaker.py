@@ -25,6 +25,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from orchestrator.queue_patience import QUEUE_TIMEOUT_CODE
 from orchestrator.worker_client import WorkerError
 
 logger = logging.getLogger("kvroute.orchestrator.breaker")
@@ -36,7 +37,8 @@ DRAINING_CODE = "draining"
 
 
 def counts_against_worker(error: WorkerError) -> bool:
-    return error.code not in REQUEST_FAULT_CODES and error.code != DRAINING_CODE
+    """A queue timeout does not count either: the worker was working through its queue."""
+    return error.code not in REQUEST_FAULT_CODES and error.code not in (DRAINING_CODE, QUEUE_TIMEOUT_CODE)
 
 
 class BreakerState(enum.Enum):

@@ -19,17 +19,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from kvroute import wire
-from orchestrator.worker_client import WorkerClient
+from orchestrator.worker_client import WorkerClient, WorkerTimeout
 from transfer.block_client import release_lease
 
 logger = logging.getLogger("kvroute.orchestrator.disagg")
+
+OnTimeout = Callable[[WorkerTimeout], None]  # see WorkerClient.generate
+
+
+@dataclass(frozen=True)
+class Patience:
+    """A disaggregated request's timeout handlers, one per worker."""
+
+    prefill: OnTimeout
+    decode: OnTimeout
 
 
 @dataclass
@@ -63,11 +73,13 @@ def decode_sampling(sampling: wire.SamplingSpec) -> wire.SamplingSpec:
 
 async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, record: HandoffRecord,
                                  prompt_token_ids: list[int], sampling: wire.SamplingSpec,
-                                 cache_salt: str | None = None,
-                                 timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
-    """Yield chunks of generated tokens; ``record`` is filled in as the request runs."""
+                                 cache_salt: str | None = None, timeout: float = 60.0,
+                                 patience: Patience | None = None) -> AsyncIterator[wire.GenerateChunk]:
+    """Yield chunks of generated tokens; ``record`` is filled in as the request runs.
+    ``patience``: for each worker, what to do when ``timeout`` passes with no token."""
     record.prompt_tokens = len(prompt_token_ids)
-    first = await _prefill(prefill, record, prompt_token_ids, sampling, cache_salt, timeout)
+    first = await _prefill(prefill, record, prompt_token_ids, sampling, cache_salt, timeout,
+                           patience and patience.prefill)
     source = first.pull_source
     ends = first_token_ends(first, sampling)
     head = msgspec.structs.replace(first, finished=ends, pull_source=None,
@@ -79,7 +91,8 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, re
             return
         async for chunk in decode.generate(wire.GenerateRequest(
                 request_id=record.request_id, prompt_token_ids=prompt_token_ids + first.token_ids,
-                sampling=decode_sampling(sampling), cache_salt=cache_salt, pull_from=source), timeout):
+                sampling=decode_sampling(sampling), cache_salt=cache_salt, pull_from=source), timeout,
+                patience and patience.decode):
             _observe(record, chunk)
             source = None if chunk.finished else source  # the consumer owns the lease now
             yield chunk
@@ -89,10 +102,11 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, re
 
 
 async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
-                   sampling: wire.SamplingSpec, cache_salt: str | None, timeout: float) -> wire.GenerateChunk:
+                   sampling: wire.SamplingSpec, cache_salt: str | None, timeout: float,
+                   on_timeout: OnTimeout | None) -> wire.GenerateChunk:
     request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=prefill_sampling(sampling), cache_salt=cache_salt, hold_blocks=True)
-    chunks = [chunk async for chunk in prefill.generate(request, timeout)]
+    chunks = [chunk async for chunk in prefill.generate(request, timeout, on_timeout)]
     first = chunks[-1]
     first.token_ids = [t for chunk in chunks for t in chunk.token_ids]
     first.logprobs = [lp for chunk in chunks for lp in (chunk.logprobs or [])] or None
@@ -102,13 +116,13 @@ async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_id
 
 
 async def generate_local(decode: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
-                         sampling: wire.SamplingSpec, cache_salt: str | None = None,
-                         timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
+                         sampling: wire.SamplingSpec, cache_salt: str | None = None, timeout: float = 60.0,
+                         on_timeout: OnTimeout | None = None) -> AsyncIterator[wire.GenerateChunk]:
     """The LOCAL plan: the decode worker prefills the prompt itself, using its own cache."""
     record.prompt_tokens = len(prompt_token_ids)
     request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling, cache_salt=cache_salt)
-    async for chunk in decode.generate(request, timeout):
+    async for chunk in decode.generate(request, timeout, on_timeout):
         if record.first_token_at is None:
             record.prefill_cached_tokens = chunk.num_cached_tokens
         _observe(record, chunk)

@@ -35,9 +35,10 @@ from kvroute.identity import BlockHash
 
 @dataclass(frozen=True)
 class PendingSettings:
-    # No request waits longer than this for its first token (the service's worker timeout,
-    # 60 s, fails it first): a claim still open then belongs to a request we lost track of.
-    max_age_seconds: float = 60.0
+    # No request waits longer than this for its first token (the service fails it first:
+    # the worker timeout, or the queue-wait limit plus one timeout on a busy worker): a claim
+    # still open then belongs to a request we lost track of.
+    max_age_seconds: float = 660.0
     # KV events travel on their own socket and may reach the orchestrator after the first
     # token: two heartbeat intervals for them to land before the unconfirmed rest goes.
     settle_grace_seconds: float = 2.0

@@ -28,7 +28,7 @@ from kvroute import identity, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
-from orchestrator.disagg import HandoffRecord, generate_disaggregated, generate_local
+from orchestrator.disagg import HandoffRecord, OnTimeout, Patience, generate_disaggregated, generate_local
 from orchestrator.errors import APIError
 from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
@@ -40,6 +40,7 @@ from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.candidates import load_key
 from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
+from orchestrator.queue_patience import QueuePatience
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
 
@@ -115,13 +116,15 @@ def heartbeat_load_key(load: wire.WorkerLoad, in_flight: int, worker_id: str) ->
 class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
-                 worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3):
+                 worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3,
+                 queue_wait_limit: float = 600.0):
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
         self.worker_timeout = worker_timeout
         self.admission_wait = admission_wait
         self.max_attempts = max_attempts
+        self.queue_wait_limit = queue_wait_limit
         self._capacity_freed = asyncio.Event()
 
     # ------------------------------------------------------------ planning
@@ -310,9 +313,16 @@ class CompletionService:
         decode = self._client(plan.decode_worker)
         if plan.kind is PlanKind.LOCAL:
             return generate_local(decode, handoff, job.prompt_token_ids, job.sampling, job.cache_salt,
-                                  self.worker_timeout)
+                                  self.worker_timeout, self._patience(plan.decode_worker, job))
+        patience = Patience(prefill=self._patience(plan.prefill_worker, job),
+                            decode=self._patience(plan.decode_worker, job))
         return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
-                                      job.sampling, job.cache_salt, self.worker_timeout)
+                                      job.sampling, job.cache_salt, self.worker_timeout, patience)
+
+    def _patience(self, worker_id: str, job: Job) -> OnTimeout:
+        """A wait for ``worker_id`` that times out goes on while the worker is busy with its queue."""
+        return QueuePatience(self.fleet.registry.get, worker_id, job.request_id, self.fleet.registry.heartbeat_timeout,
+                             self.worker_timeout, self.queue_wait_limit).on_timeout
 
     def _reserve(self, plan: Plan, job: Job, prefilling: str, block_size: int) -> None:
         """Tell the ledger what this request will cost its workers until their next heartbeat."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvroute.config import setting
 
 from orchestrator.circuit_breaker import BreakerSettings
+from orchestrator.pending_blocks import PendingSettings
 from orchestrator.planner.policies import POLICIES
 from orchestrator.planner.settings import PlannerSettings
 from orchestrator.rate_limit import RateLimit
@@ -34,7 +35,12 @@ class OrchestratorSettings:
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
-    worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker")
+    worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker, unless the "
+                                                  "worker is busy with its queue and still holds the request")
+    queue_wait_limit_seconds: float = setting(600.0, "longest wait for a first token in the queue of a worker "
+                                                     "that is busy with its queue; past it the request fails "
+                                                     "(queue_timeout), or moves, without counting against the "
+                                                     "worker")
     admission_wait_seconds: float = setting(10.0, "when every worker is at its cap, wait this long for "
                                                   "capacity before answering 429")
     max_attempts: int = setting(3, "placements per request: a worker failure moves the request (prompt plus "
@@ -75,6 +81,13 @@ class OrchestratorSettings:
             raise ValueError("max_model_len must be at least 2")
         if not 0 < self.keep_alive_seconds < math.inf:
             raise ValueError("keep_alive_seconds must be positive and finite")
+        if not (0 < self.worker_timeout_seconds < math.inf and 0 <= self.queue_wait_limit_seconds < math.inf):
+            raise ValueError("worker_timeout_seconds must be positive and queue_wait_limit_seconds not negative, "
+                             "both finite")
+
+    def pending_settings(self) -> PendingSettings:
+        """Claims on blocks a dispatched request will store live as long as it may wait."""
+        return PendingSettings(max_age_seconds=self.queue_wait_limit_seconds + self.worker_timeout_seconds)
 
     def http_server_options(self) -> dict:
         """uvicorn's options for the OpenAI-compatible API."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -134,14 +134,23 @@ class WorkerClient:
                 await asyncio.sleep(SEND_RETRY_SECONDS)
         self._drain()
 
-    async def generate(self, request: wire.GenerateRequest, timeout: float = 60.0) -> AsyncIterator[wire.GenerateChunk]:
-        """Stream the request's chunks; abort it on the worker if the caller stops early."""
+    async def generate(self, request: wire.GenerateRequest, timeout: float = 60.0,
+                       on_timeout: Callable[[WorkerTimeout], None] | None = None) -> AsyncIterator[wire.GenerateChunk]:
+        """Stream the request's chunks; abort it on the worker if the caller stops early.
+        ``on_timeout``: called when ``timeout`` passes with no chunk; it returns to wait
+        another ``timeout`` and raises to give up (default: give up)."""
         queue = self._open(request.request_id)
         finished = False
         try:
             await self._send(request)
             while not finished:
-                chunk = await self._next(queue, timeout, request.request_id)
+                try:
+                    chunk = await self._next(queue, timeout, request.request_id)
+                except WorkerTimeout as error:
+                    if on_timeout is None:
+                        raise
+                    on_timeout(error)
+                    continue
                 finished = chunk.finished
                 yield chunk
         finally:

@@ -17,9 +17,16 @@ Usage::
 
 SIGTERM drains it as it drains a real worker (``kvroute.worker.drain``); SIGINT stops it.
 
+Like a real worker, its heartbeats list the prompts it accepted and has not answered yet,
+and how long the oldest has gone without an engine step ending. The engine computes a
+prompt in steps of at most ``STEP_SECONDS``, as vLLM's chunked prefill does, so a long
+prompt shows steps ending while it computes.
+
 Failure injection, for fault tests: SIGUSR1 toggles failing. While failing, the worker
 stays registered and heartbeating but answers every generate with an engine error, as
-a worker with a broken engine would; a second SIGUSR1 makes it healthy again.
+a worker with a broken engine would; a second SIGUSR1 makes it healthy again. SIGUSR2
+toggles hanging: the engine stops stepping (requests get no token, heartbeats go on),
+as a wedged engine would; a second SIGUSR2 lets it go on.
 
 Not a serving path: nothing here computes anything a client should read.
 """
@@ -32,7 +39,8 @@ import logging
 import os
 import secrets
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute import wire
@@ -40,6 +48,7 @@ from kvroute.model_prep import model_fingerprint
 from kvroute.netutil import flush_async_context
 from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
 from kvroute.worker.heartbeat import HeartbeatSender, heartbeat_of
+from kvroute.worker.queued_prefill import head_prompt_age, queued_prefill
 from kvroute.worker.resident import ResidentBlocks
 from kvroute.worker.rpc_server import RpcServer
 from kvroute.worker.settings import WorkerSettings
@@ -50,6 +59,7 @@ logger = logging.getLogger("kvroute.worker.synthetic")
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 128
 BYTES_PER_BLOCK = 5_898_240  # SmolLM2-135M in float32: 46,080 bytes a token
+STEP_SECONDS = 0.1  # longest synthetic engine step: a longer prefill takes several
 
 
 @dataclass(frozen=True)
@@ -87,21 +97,43 @@ class SyntheticEngine:
     timing: SyntheticTiming
     transfer_address: str
     failing: bool = False  # failure injection: every generate raises (see the module docstring)
+    last_step_end: float = field(default_factory=time.monotonic)
+    _running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while hanging
+
+    def __post_init__(self):
+        self._running.set()
 
     def toggle_failing(self) -> None:
         self.failing = not self.failing
         logger.warning("failure injection %s", "on: failing every request" if self.failing else "off: healthy")
+
+    def toggle_hanging(self) -> None:
+        if self._running.is_set():
+            self._running.clear()
+            logger.warning("failure injection on: the engine stops stepping")
+        else:
+            self._running.set()
+            logger.warning("failure injection off: the engine steps again")
+
+    async def _step(self, seconds: float) -> None:
+        await self._running.wait()
+        await asyncio.sleep(seconds)
+        await self._running.wait()  # a step under way when the engine hung ends when it goes on
+        self.last_step_end = time.monotonic()
 
     async def generate(self, prompt: dict, params, request_id: str):
         if self.failing:
             raise RuntimeError("injected failure (SIGUSR1)")
         tokens = list(prompt["prompt_token_ids"])
         context = list(tokens)
-        await asyncio.sleep(self.timing.prefill_seconds_per_token * len(tokens))
+        prefill = self.timing.prefill_seconds_per_token * len(tokens)
+        while prefill > 0:
+            await self._step(min(prefill, STEP_SECONDS))
+            prefill -= STEP_SECONDS
         transfer = (params.extra_args or {}).get("kv_transfer_params", {}).get(PARAMS_KEY, {})
         for position in range(params.max_tokens):
             if position:
-                await asyncio.sleep(self.timing.token_seconds)
+                await self._step(self.timing.token_seconds)
             last = position == params.max_tokens - 1
             context.append(synthetic_next_token(context))
             output = _Output([_Completion([context[-1]], "length" if last else None)],
@@ -131,7 +163,11 @@ class SyntheticWorker:
 
     def load(self) -> wire.WorkerLoad:
         active = self.server.num_active_requests if self.server else 0
-        return wire.WorkerLoad(num_running=active, num_waiting=0, num_queued_prefill_tokens=0,
+        waiting = self.server.prompts_waiting if self.server else {}
+        queued = queued_prefill(waiting, self.resident)
+        return wire.WorkerLoad(num_running=active, num_waiting=0, num_queued_prefill_tokens=sum(queued.values()),
+                               queued_prefill=queued,
+                               head_prompt_age=head_prompt_age(waiting, self.engine.last_step_end, time.monotonic()),
                                num_free_blocks=NUM_BLOCKS, num_total_blocks=NUM_BLOCKS,
                                block_size=BLOCK_SIZE, bytes_per_block=BYTES_PER_BLOCK)
 
@@ -155,6 +191,7 @@ class SyntheticWorker:
     async def run(self) -> None:
         signals = StopSignals()
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.engine.toggle_failing)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self.engine.toggle_hanging)
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
