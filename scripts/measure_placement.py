@@ -66,7 +66,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -327,6 +328,97 @@ def plot(output: Path, rows_by_policy: dict[str, list[Row]], summaries: dict[str
     return ["ttft_cdf.png", "hit_rate.png", "worker_load.png"]
 
 
+@dataclass
+class Runs:
+    """Every policy's replay on one cluster, as far as it got."""
+
+    all_rows: dict[str, list[Row]] = field(default_factory=dict)
+    counted: dict[str, list[Row]] = field(default_factory=dict)  # the rows --warm-requests leaves in
+    summaries: dict[str, dict] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # worker id -> label
+    waited_for_quiet_s: float = 0.0
+    aborted: str | None = None
+
+
+def measure(cluster: Cluster, items: list, policies: list[str], warm_requests: int, wait_quiet: float,
+            warm: Callable[[Cluster], None]) -> Runs:
+    """Replay ``items`` once per policy, caches emptied before each; the cluster is stopped at the end."""
+    runs, started = Runs(), time.monotonic()
+    try:
+        startup_load = ForeignLoad()
+        workers = cluster.wait_ready(START_TIMEOUT_S)
+        console.print(f"cluster ready after {time.monotonic() - started:.0f} s (other processes used "
+                      f"{startup_load.cores():.2f} cores meanwhile)", highlight=False)
+        names = runs.names = worker_labels(workers, cluster.log_path.parent / "workers")
+        console.print("workers: " + ", ".join(f"{label} = {wid}" for wid, label in names.items()), highlight=False)
+        warm(cluster)
+        server, target = ReplayServer(cluster.url), ReplayTarget(cluster.url, MODEL)
+        warn = lambda message: console.print(f"[yellow]  {message}[/]", highlight=False)  # noqa: E731
+        for policy in policies:
+            reset = server.reset_cache(MODEL, warn)
+            quiet = wait_for_quiet(wait_quiet) if wait_quiet > 0 else 0.0
+            runs.waited_for_quiet_s += quiet
+            time.sleep(1.0)
+            console.print(f"[bold]{policy}[/]: replaying {len(items)} requests", highlight=False)
+            load = ForeignLoad()
+            rows, duration = asyncio.run(replay(target, policy, items, progress_printer(policy, len(items))))
+            runs.all_rows[policy] = rows
+            rows = runs.counted[policy] = [row for row in rows if row.index >= warm_requests]
+            runs.summaries[policy] = s = {"policy": policy, "foreign_cpu_cores": load.cores(),
+                                          "waited_for_quiet_s": quiet, **summarize(policy, rows, duration, names)}
+            s["reset_ok"], s["reset_attempts"] = bool(reset.get("reset")), reset.get("attempts")
+            s["index_blocks_at_start"] = {names.get(k, k): v for k, v in reset.get("index_blocks_at_start", {}).items()}
+            s["index_blocks_right_after_reset"] = {names.get(k, k): v
+                                                   for k, v in reset.get("index_blocks_after_reset", {}).items()}
+            console.print(f"  hit rate {s['hit_rate'] or 0:.1%}, TTFT p50 {ms(s['ttft_p50_s'])} ms "
+                          f"p99 {ms(s['ttft_p99_s'])} ms, errors {s['errors']}, slow hand-offs "
+                          f"{s['slow_handoffs_over_5s']}, other processes {s['foreign_cpu_cores']:.2f} cores",
+                          highlight=False)
+            for row in rows:
+                if row.error:
+                    console.print(f"  [red]request {row.index}: {row.status} {row.error}[/]", highlight=False)
+                    break
+    except (Exception, KeyboardInterrupt) as error:
+        runs.aborted = f"{type(error).__name__}: {error}"
+        console.print(f"[red]aborted: {runs.aborted}[/]")
+    finally:
+        code = cluster.stop()
+        console.print(f"cluster stopped (exit code {code}) after {time.monotonic() - started:.0f} s",
+                      highlight=False)
+    return runs
+
+
+def run_record(args: argparse.Namespace, cluster: Cluster, runs: Runs, waited: float, **settings) -> dict:
+    """The parts of results.json every measurement of this kind writes."""
+    return {
+        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                     **settings, "cluster_command": cluster.args[1:]},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "waited_for_quiet_s": waited + runs.waited_for_quiet_s, "load_average_at_end": os.getloadavg()},
+        "aborted": runs.aborted,
+        "workers": runs.names,
+        "summaries": runs.summaries,
+        "ratios": ratios(runs.summaries),
+        "requests": [{**request_row(row), "counted": row.index >= args.warm_requests}
+                     for rows in runs.all_rows.values() for row in rows],
+    }
+
+
+def report(output: Path, result: dict, runs: Runs, title: str) -> None:
+    """Write results.json and the plots; print the table, the ratios and any foreign load."""
+    (output / "results.json").write_text(json.dumps(result, indent=1))
+    summaries, labels = runs.summaries, list(runs.names.values())
+    if summaries:
+        console.print(summary_table(summaries, labels, title))
+    plots = plot(output, runs.counted, summaries, labels) if summaries else []
+    for name, value in result["ratios"].items():
+        console.print(f"{name}: {value if isinstance(value, str) else f'{value:.3f}'}", highlight=False)
+    if any(s["foreign_cpu_cores"] > 0.3 for s in summaries.values()):
+        console.print("[yellow]other processes loaded this machine during the run (cores, by policy): "
+                      + ", ".join(f"{k} {v['foreign_cpu_cores']:.2f}" for k, v in summaries.items()) + "[/]")
+    console.print(f"wrote {output / 'results.json'}" + (f" and {', '.join(plots)}" if plots else ""), highlight=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output: Path = args.output
@@ -352,87 +444,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"({per_worker_tokens / working_set:.0%} of the working set)", highlight=False)
 
     waited = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else 0.0
-    port = args.port or free_port()
-    cluster = Cluster(port, kv_cache_gib, dtype, output / "serve.log")
+    cluster = Cluster(args.port or free_port(), kv_cache_gib, dtype, output / "serve.log")
     console.print(f"cluster: {' '.join(cluster.args[1:])}", highlight=False)
-    rows_by_policy: dict[str, list[Row]] = {}  # the counted ones (see --warm-requests)
-    all_rows: dict[str, list[Row]] = {}
-    summaries: dict[str, dict] = {}
-    names: dict[str, str] = {}
-    started = time.monotonic()
-    aborted = None
-    try:
-        startup_load = ForeignLoad()
-        workers = cluster.wait_ready(START_TIMEOUT_S)
-        console.print(f"cluster ready after {time.monotonic() - started:.0f} s (other processes used "
-                      f"{startup_load.cores():.2f} cores meanwhile)", highlight=False)
-        names = worker_labels(workers, output / "workers")
-        console.print("workers: " + ", ".join(f"{label} = {wid}" for wid, label in names.items()), highlight=False)
-        warm_up(cluster, config, count)
-        server, target = ReplayServer(cluster.url), ReplayTarget(cluster.url, MODEL)
-        items = [workload_item(request) for request in workload]
-        warn = lambda message: console.print(f"[yellow]  {message}[/]", highlight=False)  # noqa: E731
-        for policy in args.policies:
-            reset = server.reset_cache(MODEL, warn)
-            quiet = wait_for_quiet(args.wait_quiet) if args.wait_quiet > 0 else 0.0
-            waited += quiet
-            time.sleep(1.0)
-            console.print(f"[bold]{policy}[/]: replaying {len(workload)} requests", highlight=False)
-            load = ForeignLoad()
-            rows, duration = asyncio.run(replay(target, policy, items, progress_printer(policy, len(items))))
-            all_rows[policy] = rows
-            rows = rows_by_policy[policy] = [row for row in rows if row.index >= args.warm_requests]
-            summaries[policy] = s = {"policy": policy, "foreign_cpu_cores": load.cores(), "waited_for_quiet_s": quiet,
-                                     **summarize(policy, rows, duration, names)}
-            s["reset_ok"], s["reset_attempts"] = bool(reset.get("reset")), reset.get("attempts")
-            s["index_blocks_at_start"] = {names.get(k, k): v for k, v in reset.get("index_blocks_at_start", {}).items()}
-            s["index_blocks_right_after_reset"] = {names.get(k, k): v
-                                                   for k, v in reset.get("index_blocks_after_reset", {}).items()}
-            console.print(f"  hit rate {s['hit_rate'] or 0:.1%}, TTFT p50 {ms(s['ttft_p50_s'])} ms "
-                          f"p99 {ms(s['ttft_p99_s'])} ms, errors {s['errors']}, slow hand-offs "
-                          f"{s['slow_handoffs_over_5s']}, other processes {s['foreign_cpu_cores']:.2f} cores",
-                          highlight=False)
-            for row in rows:
-                if row.error:
-                    console.print(f"  [red]request {row.index}: {row.status} {row.error}[/]", highlight=False)
-                    break
-    except (Exception, KeyboardInterrupt) as error:
-        aborted = f"{type(error).__name__}: {error}"
-        console.print(f"[red]aborted: {aborted}[/]")
-    finally:
-        code = cluster.stop()
-        console.print(f"cluster stopped (exit code {code}) after {time.monotonic() - started:.0f} s",
-                      highlight=False)
-
-    result = {
-        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                     "kv_cache_gib_used": kv_cache_gib, "dtype": dtype, "cluster_command": cluster.args[1:]},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "waited_for_quiet_s": waited,
-                    "load_average_at_end": os.getloadavg()},
-        "aborted": aborted,
-        "workload": {"config": asdict(config), "prefix_tokens": prefix_tokens, "working_set_tokens": working_set,
-                     "longest_prompt_tokens": longest_prompt, "requests_per_repository": dict(sorted(popularity.items())),
-                     "kv_cache_tokens_per_worker": per_worker_tokens,
-                     "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")},
-                     "evict_pulled_first": WorkerSettings.evict_pulled_first},
-        "workers": names,
-        "summaries": summaries,
-        "ratios": ratios(summaries),
-        "requests": [{**request_row(row), "counted": row.index >= args.warm_requests}
-                     for rows in all_rows.values() for row in rows],
-    }
-    (output / "results.json").write_text(json.dumps(result, indent=1))
-    labels = list(names.values())
-    if summaries:
-        console.print(summary_table(summaries, labels, "Placement policies, repository-assistant workload"))
-    plots = plot(output, rows_by_policy, summaries, labels) if summaries else []
-    for name, value in result["ratios"].items():
-        console.print(f"{name}: {value if isinstance(value, str) else f'{value:.3f}'}", highlight=False)
-    if any(s["foreign_cpu_cores"] > 0.3 for s in summaries.values()):
-        console.print("[yellow]other processes loaded this machine during the run (cores, by policy): "
-                      + ", ".join(f"{k} {v['foreign_cpu_cores']:.2f}" for k, v in summaries.items()) + "[/]")
-    console.print(f"wrote {output / 'results.json'}" + (f" and {', '.join(plots)}" if plots else ""), highlight=False)
-    return 1 if aborted else 0
+    items = [workload_item(request) for request in workload]
+    runs = measure(cluster, items, args.policies, args.warm_requests, args.wait_quiet,
+                   lambda running: warm_up(running, config, count))
+    result = run_record(args, cluster, runs, waited, kv_cache_gib_used=kv_cache_gib, dtype=dtype)
+    result["workload"] = {
+        "config": asdict(config), "prefix_tokens": prefix_tokens, "working_set_tokens": working_set,
+        "longest_prompt_tokens": longest_prompt, "requests_per_repository": dict(sorted(popularity.items())),
+        "kv_cache_tokens_per_worker": per_worker_tokens,
+        "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")},
+        "evict_pulled_first": WorkerSettings.evict_pulled_first}
+    report(output, result, runs, "Placement policies, repository-assistant workload")
+    return 1 if runs.aborted else 0
 
 
 if __name__ == "__main__":

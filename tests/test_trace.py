@@ -10,7 +10,7 @@ import pytest
 
 from kvroute.bench.tokens import FIRST_ORDINARY_ID, pseudo_token_ids
 from kvroute.bench.trace import (BlockContent, TraceFormatError, TraceRecord, TraceScaling, load_trace,
-                                 parse_record, read_trace, scale_trace)
+                                 parse_record, read_trace, sample_families, scale_trace)
 
 SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -122,3 +122,42 @@ def test_the_synthetic_trace_at_the_default_scaling():
     assert all(math.ceil(r.prompt_tokens / 64) == len(r.hash_ids) for r in trace.requests)
     arrivals = [r.arrival_seconds for r in trace.requests]
     assert arrivals == sorted(arrivals) and arrivals[-1] == pytest.approx(1022.025)
+
+
+def family_records(families: int, per_family: int) -> list[TraceRecord]:
+    """``per_family`` records of each family, interleaved in time; ids chained per family."""
+    return [TraceRecord(timestamp=10 * (k * families + f), input_length=600, output_length=3,
+                        hash_ids=[1000 * f, 1000 * f + 1 + k])
+            for k in range(per_family) for f in range(families)]
+
+
+def test_sampled_families_are_whole_in_trace_order_and_seeded():
+    records = family_records(families=400, per_family=3)
+    sample = sample_families(records, 0.25, seed=7)
+    kept = {r.hash_ids[0] for r in sample}
+    assert 60 <= len(kept) <= 140  # a quarter of 400 families, give or take chance
+    assert sample == [r for r in records if r.hash_ids[0] in kept]  # every record of a kept family, in order
+    assert sample_families(records, 0.25, seed=7) == sample
+    assert {r.hash_ids[0] for r in sample_families(records, 0.25, seed=8)} != kept
+    assert sample_families(records, 1.0) == records
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_a_family_fraction_outside_zero_to_one_is_refused(fraction):
+    with pytest.raises(ValueError, match="fraction"):
+        sample_families(family_records(2, 2), fraction)
+
+
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason="shared/data not present")
+def test_a_family_sample_of_the_synthetic_trace_keeps_its_span_and_its_sharing():
+    """The first 111 records share 5% of their tokens; 2% of the families, about as many
+    records, share more than half, over the whole trace's span."""
+    from kvroute.bench.oracle import oracle_requests, unlimited_reuse
+
+    records = read_trace(SYNTHETIC)
+    scaling = TraceScaling(block_tokens=32, max_context_tokens=4096)
+    sample, head = scale_trace(sample_families(records, 0.02), scaling), scale_trace(records[:111], scaling)
+    assert 80 <= sample.kept <= 140
+    assert sample.requests[-1].arrival_seconds > 1000
+    reuse = lambda trace: unlimited_reuse(oracle_requests(trace.requests, 32), 32).hit_rate  # noqa: E731
+    assert reuse(sample) > 0.5 > 0.1 > reuse(head)

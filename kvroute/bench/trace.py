@@ -27,6 +27,10 @@ Scaling (``TraceScaling``), applied in this order:
 * **time**: arrival seconds = timestamp / 1000 x ``time_scale`` (2.0 spreads the trace
   over twice the time, i.e. half the request rate; 0.5 doubles the rate).
 
+Sampling, for clusters too small for the whole trace: ``sample_families`` keeps every
+record of a seeded fraction of the prefix families (records with the same first hash id),
+so the thinner trace keeps the trace's span and each family's sharing.
+
 Content: hash id ``h`` becomes a fixed pseudo-random block of ``block_tokens`` token ids
 drawn from ``(seed, h)`` (``kvroute.bench.tokens``); a partial last block is the leading
 part of its id's block. So two requests share exactly the leading tokens the trace says
@@ -42,6 +46,7 @@ prompt is token ids, which ``/v1/completions`` takes as they are.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +85,24 @@ def parse_record(line: str | bytes, line_number: int = 0) -> TraceRecord:
         raise TraceFormatError(f"line {line_number}: {record.input_length} input tokens need {blocks} "
                                f"hash ids of {MOONCAKE_BLOCK_TOKENS} tokens, got {len(record.hash_ids)}")
     return record
+
+
+def sample_families(records: Sequence[TraceRecord], fraction: float, seed: int = 0) -> list[TraceRecord]:
+    """Every record of a ``fraction`` of the trace's prefix families, in trace order.
+
+    A family is the records with one first hash id; hash ids are chained, so records of
+    different families share nothing. Keeping whole families gives a thinner trace over
+    the same time with each family's sharing intact, where the first N records would keep
+    the trace's start, before most families come back. A family is kept when the hash of
+    (``seed``, its first id) falls below ``fraction``: the same families on every run."""
+    if not 0 < fraction <= 1:
+        raise ValueError("fraction must be in (0, 1]")
+
+    def kept(first_id: int) -> bool:
+        digest = hashlib.blake2b(f"{seed}:{first_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") < fraction * 2**64
+
+    return [record for record in records if kept(record.hash_ids[0])]
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRecord]:
