@@ -9,7 +9,11 @@ of the prefill pool alone (in DISAGG plans only prefill workers' caches give hit
 policy's reused tokens are shown as a share of the all-workers LRU bound.
 
 Inputs: ``--trace FILE`` (Mooncake JSONL, default the synthetic trace in shared/data),
-scaled by ``--block-tokens`` (64) and ``--time-scale`` (1.0), first ``--limit`` records;
+scaled by ``--block-tokens`` (64), ``--output-scale`` (1.0), ``--max-context-tokens``
+(8,192) and ``--time-scale`` (1.0), first ``--limit`` records, of which
+``--family-fraction`` keeps every record of a share of the prefix families (seeded by
+``--seed``; with ``--block-tokens 32 --output-scale 0.1 --max-context-tokens 4096`` these
+are the requests ``scripts/measure_trace.py`` replays on a real cluster);
 or ``--workload NAME``, a seeded generator of ``kvroute.bench.workloads`` (``--requests``,
 ``--rate``, and ``--workload-options KEY=VALUE,...`` for any field of its config). Cost curves:
 ``--calibration FILE`` (JSON of ``SimCalibration`` fields), else the documented defaults.
@@ -43,7 +47,7 @@ from rich.table import Table  # noqa: E402
 
 from kvroute import identity  # noqa: E402
 from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds  # noqa: E402
-from kvroute.bench.trace import ScaledTrace, TraceScaling, load_trace  # noqa: E402
+from kvroute.bench.trace import ScaledTrace, TraceScaling, read_trace, sample_families, scale_trace  # noqa: E402
 from kvroute.bench.workloads import GENERATORS, generate_named, parse_options  # noqa: E402
 from kvroute.worker.settings import PREFILL_LONG_PREFILL_TOKENS  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
@@ -76,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
+    parser.add_argument("--family-fraction", type=float, default=1.0,
+                        help="trace: every record of this share of its prefix families, seeded by --seed "
+                             "(kvroute.bench.trace.sample_families; as scripts/measure_trace.py replays it)")
+    parser.add_argument("--output-scale", type=float, default=TraceScaling().output_scale)
+    parser.add_argument("--max-context-tokens", type=int, default=TraceScaling().max_context_tokens)
     parser.add_argument("--requests", type=int, help="workload: requests (default: the generator's)")
     parser.add_argument("--rate", type=float, help="workload: requests/s (default: the generator's)")
     parser.add_argument("--workload-options", default="", help="workload: KEY=VALUE,... overrides of its config")
@@ -89,8 +98,12 @@ def load_requests(args: argparse.Namespace):
     if args.workload:
         options = parse_options([option for option in args.workload_options.split(",") if option])
         return generate_named(args.workload, options, requests=args.requests, rate=args.rate, seed=args.seed)
-    scaling = TraceScaling(block_tokens=args.block_tokens, time_scale=args.time_scale)
-    return load_trace(args.trace or DEFAULT_TRACE, scaling, args.limit)
+    scaling = TraceScaling(block_tokens=args.block_tokens, time_scale=args.time_scale, seed=args.seed,
+                           output_scale=args.output_scale, max_context_tokens=args.max_context_tokens)
+    records = read_trace(args.trace or DEFAULT_TRACE, args.limit)
+    if args.family_fraction < 1:
+        records = sample_families(records, args.family_fraction, args.seed)
+    return scale_trace(records, scaling)
 
 
 def oracle_of(source, block_size: int) -> list[OracleRequest]:

@@ -62,3 +62,17 @@ def test_the_dry_run_sizes_the_caches_and_starts_nothing(tmp_path, capsys):
 def test_a_sample_too_small_to_replay_is_refused():
     with pytest.raises(ValueError, match="fewer than two requests"):
         measure_trace.scaled_sample(RECORDS[:1], 1.0, SCALING)
+
+
+@pytest.mark.skipif(not measure_trace.DEFAULT_TRACE.exists(), reason="shared/data not present")
+def test_the_simulator_replays_the_same_sample(tmp_path):
+    """scripts/simulate.py --family-fraction with the same settings simulates exactly the
+    requests measure_trace.py sends, so the two can be compared request for request."""
+    import simulate
+
+    args = simulate.parse_args(["--family-fraction", "0.02", "--block-tokens", "32", "--output-scale", "0.1",
+                                "--max-context-tokens", "4096", "--seed", "3"])
+    simulated = simulate.load_requests(args)
+    scaling = TraceScaling(block_tokens=32, output_scale=0.1, max_context_tokens=4096, seed=3)
+    replayed = measure_trace.scaled_sample(measure_trace.read_trace(measure_trace.DEFAULT_TRACE), 0.02, scaling)
+    assert simulated.requests == replayed.requests and len(replayed.requests) > 50
