@@ -135,11 +135,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and again before each policy, for other processes to leave the CPUs alone "
                              "(default: don't wait); their load is recorded either way")
     args = parser.parse_args(argv)
-    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in args.policies if p not in ALL_POLICIES]
-    if unknown or not args.policies:
-        parser.error(f"unknown policies {unknown}; choose from {', '.join(ALL_POLICIES)}")
+    args.policies = checked_policies(parser, args.policies)
     return args
+
+
+def checked_policies(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated ``--policies``; unknown names or none end the script with a usage error."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown or not policies:
+        parser.error(f"unknown policies {unknown}; choose from {', '.join(ALL_POLICIES)}")
+    return policies
 
 
 # ---------------------------------------------------------------- the cluster

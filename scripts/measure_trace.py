@@ -63,8 +63,8 @@ from kvroute.worker.dtype import resolve_here  # noqa: E402
 from kvroute.worker.settings import WorkerSettings  # noqa: E402
 from kvroute.bench.workloads import RepositoryAssistantConfig, load_tokenizer, tokenizer_counter  # noqa: E402
 from measure_placement import (ALL_POLICIES, DECODE_WORKERS, DTYPE_BYTES, KV_ELEMENTS_PER_TOKEN,  # noqa: E402
-                               MAX_MODEL_LEN, PREFILL_WORKERS, Cluster, Runs, console, measure, report,
-                               run_record, wait_for_quiet, warm_up)
+                               MAX_MODEL_LEN, PREFILL_WORKERS, Cluster, Runs, checked_policies, console, measure,
+                               report, run_record, wait_for_quiet, warm_up)
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -102,10 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="wait up to this many seconds, before the cluster starts and before each policy, "
                              "for other processes to leave the CPUs alone (default: don't wait)")
     args = parser.parse_args(argv)
-    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in args.policies if p not in ALL_POLICIES]
-    if unknown or not args.policies:
-        parser.error(f"unknown policies {unknown}; choose from {', '.join(ALL_POLICIES)}")
+    args.policies = checked_policies(parser, args.policies)
     if not 0 < args.family_fraction <= 1 or args.time_scale <= 0 or args.warm_requests < 0:
         parser.error("--family-fraction must be in (0, 1], --time-scale positive, --warm-requests not negative")
     return args
