@@ -87,6 +87,7 @@ from kvroute.bench.workloads import (RepositoryAssistantConfig, estimate_prefix_
                                      generate_workload, load_tokenizer, prompt_tokens, repository_prefixes,
                                      tokenizer_counter)
 from kvroute.netutil import free_port  # noqa: E402
+from kvroute.worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
 from kvroute.worker.dtype import resolve_here  # noqa: E402
 from kvroute.worker.settings import WorkerSettings, default_long_prefill_tokens  # noqa: E402
 
@@ -410,6 +411,20 @@ def run_record(args: argparse.Namespace, cluster: Cluster, runs: Runs, waited: f
     }
 
 
+def kv_cache_tokens(kv_cache_gib: float, dtype: str) -> float:
+    """Tokens of KV one worker's cache holds (before vLLM rounds down to whole blocks)."""
+    return kv_cache_gib * 2**30 / (KV_ELEMENTS_PER_TOKEN * DTYPE_BYTES[dtype])
+
+
+def engine_record(kv_cache_gib: float, dtype: str) -> dict:
+    """The workers' engine settings a simulation of the run needs (``simulator.from_replay``):
+    cache size, block size, per-request step caps and eviction order, as the workers start
+    by default on CPU."""
+    return {"kv_cache_tokens_per_worker": kv_cache_tokens(kv_cache_gib, dtype), "block_size": CPU_BLOCK_SIZE,
+            "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")},
+            "evict_pulled_first": WorkerSettings.evict_pulled_first}
+
+
 def report(output: Path, result: dict, runs: Runs, title: str) -> None:
     """Write results.json and the plots; print the table, the ratios and any foreign load."""
     (output / "results.json").write_text(json.dumps(result, indent=1))
@@ -441,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     bytes_per_token = KV_ELEMENTS_PER_TOKEN * DTYPE_BYTES[dtype]
     auto_gib = (args.cache_fraction * working_set + longest_prompt + args.max_tokens) * bytes_per_token / 2**30
     kv_cache_gib = args.kv_cache_gib or round(auto_gib, 4)
-    per_worker_tokens = kv_cache_gib * 2**30 / bytes_per_token
+    per_worker_tokens = kv_cache_tokens(kv_cache_gib, dtype)
     popularity = Counter(r.repository for r in workload)
     console.print(f"workload: {len(workload)} requests over {workload[-1].arrival_seconds:.0f} s, "
                   f"{config.repositories} repositories, prefixes {min(prefix_tokens)}-{max(prefix_tokens)} tokens, "
@@ -459,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     result["workload"] = {
         "config": asdict(config), "prefix_tokens": prefix_tokens, "working_set_tokens": working_set,
         "longest_prompt_tokens": longest_prompt, "requests_per_repository": dict(sorted(popularity.items())),
-        "kv_cache_tokens_per_worker": per_worker_tokens,
-        "long_prefill_tokens": {role: default_long_prefill_tokens(role) for role in ("prefill", "decode")},
-        "evict_pulled_first": WorkerSettings.evict_pulled_first}
+        **engine_record(kv_cache_gib, dtype)}
     report(output, result, runs, "Placement policies, repository-assistant workload")
     return 1 if runs.aborted else 0
 

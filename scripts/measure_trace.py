@@ -31,6 +31,7 @@ requests' distinct prompt blocks plus one longest request, so that the caches, n
 trace, limit reuse.
 
 Outputs, under ``--output`` (default ``results/measure_trace``): ``results.json`` (settings,
+the workers' engine settings as ``simulator.from_replay`` reads them (``workload``),
 trace summary and bounds, per-policy summaries with their shares of the bounds, per-request
 rows), the plots and the cluster's log, as ``measure_placement.py`` writes them.
 
@@ -60,11 +61,10 @@ from kvroute.bench.trace import (ScaledTrace, TraceRecord, TraceScaling, read_tr
 from kvroute.netutil import free_port  # noqa: E402
 from kvroute.worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
 from kvroute.worker.dtype import resolve_here  # noqa: E402
-from kvroute.worker.settings import WorkerSettings  # noqa: E402
 from kvroute.bench.workloads import RepositoryAssistantConfig, load_tokenizer, tokenizer_counter  # noqa: E402
 from measure_placement import (ALL_POLICIES, DECODE_WORKERS, DTYPE_BYTES, KV_ELEMENTS_PER_TOKEN,  # noqa: E402
-                               MAX_MODEL_LEN, PREFILL_WORKERS, Cluster, Runs, checked_policies, console, measure,
-                               report, run_record, wait_for_quiet, warm_up)
+                               MAX_MODEL_LEN, PREFILL_WORKERS, Cluster, Runs, checked_policies, console,
+                               engine_record, kv_cache_tokens, measure, report, run_record, wait_for_quiet, warm_up)
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(request.prompt_tokens + request.max_tokens for request in trace.requests)
     auto_gib = (args.cache_fraction * working_set + longest) * bytes_per_token / 2**30
     kv_cache_gib = args.kv_cache_gib or round(auto_gib, 4)
-    per_worker_blocks = int(kv_cache_gib * 2**30 / bytes_per_token) // block_size
+    per_worker_blocks = int(kv_cache_tokens(kv_cache_gib, dtype)) // block_size
     bounds = trace_bounds(trace, block_size, per_worker_blocks * (PREFILL_WORKERS + DECODE_WORKERS),
                           args.warm_requests)
     console.print(f"trace: {trace.kept} requests ({trace.dropped} dropped) over "
@@ -180,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
                    lambda running: warm_up(running, RepositoryAssistantConfig(seed=args.seed), tokenizer_count))
     shares_of_bounds(runs, bounds)
     result = run_record(args, cluster, runs, waited, kv_cache_gib_used=kv_cache_gib, dtype=dtype)
+    result["workload"] = engine_record(kv_cache_gib, dtype)
     result["trace"] = {"path": str(args.trace), "kept": trace.kept, "dropped": trace.dropped,
                        "scaling": asdict(trace.scaling), "distinct_prompt_tokens": working_set,
                        "longest_request_tokens": longest, "kv_cache_blocks_per_worker": per_worker_blocks,
-                       "bounds": bounds, "evict_pulled_first": WorkerSettings.evict_pulled_first}
+                       "bounds": bounds}
     for policy, summary in runs.summaries.items():
         console.print(f"{policy}: reused {summary['cached_tokens']} tokens = "
                       f"{(summary['of_lru_all_workers'] or 0):.1%} of the shared-LRU bound, "

@@ -1,12 +1,15 @@
 """Validate the simulator against a real cluster: the same requests on the same cluster shape.
 
-From a real run of ``scripts/measure_placement.py`` (``--real results.json``; its
-``serve.log`` and ``workers/*.log`` beside it are read when present):
+From a real run of ``scripts/measure_placement.py`` or ``scripts/measure_trace.py``
+(``--real results.json``; its ``serve.log`` and ``workers/*.log`` beside it are read when
+present):
 
-1. rebuild the identical request sequence: the repository-assistant generator with the
-   run's config and seed, token counts and prompts from the model's chat template, as
-   the run made them; each request's prompt length, arrival time and repository are
-   checked against the real rows;
+1. rebuild the identical request sequence: for ``measure_placement``, the
+   repository-assistant generator with the run's config and seed, token counts and prompts
+   from the model's chat template, as the run made them; for ``measure_trace``, the same
+   seeded sample of the trace's prefix families, scaled as the run scaled it (token ids
+   straight from the trace's block ids). Each request's prompt length, arrival time and
+   prefix group (repository, or first trace block) are checked against the real rows;
 2. fit the simulator's cost curves to the run (``simulator.from_replay``) and take its
    cluster: pools, engine KV capacity and block size, which engine is bound to which core;
 3. simulate every policy of the run on that cluster and compare P50/P99 TTFT and hit
@@ -17,8 +20,8 @@ From a real run of ``scripts/measure_placement.py`` (``--real results.json``; it
    sharing; with exact views and blocks freed at once (the simulator's defaults); and
    with the run's refused pulls replayed (the decode worker prefilled those requests
    again, on a shared core);
-4. with ``--scale``, the same fitted costs on larger clusters of the repository-assistant
-   workload (8 and 1,000 workers by default, each engine on cores of its own, the run's
+4. with ``--scale`` (repository-assistant runs only; the results page scales the trace),
+   the same fitted costs on larger clusters of the repository-assistant workload (8 and 1,000 workers by default, each engine on cores of its own, the run's
    load per prefill worker): the ratios cache_aware/round_robin P50 TTFT and
    cache_aware/best-baseline P99 TTFT, next to the real and simulated ones of the run.
 
@@ -35,6 +38,7 @@ Output: a table per part and ``DIR/validation.json`` (``--output``, default
 Usage::
 
     .venv/bin/python scripts/validate_simulator.py --real results/measure_placement/results.json
+    .venv/bin/python scripts/validate_simulator.py --real results/measure_trace/results.json
         [--output DIR] [--band 0.25] [--scale] [--scale-shapes 4x4,500x500]
 """
 
@@ -47,15 +51,20 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not installed
-    sys.path.insert(0, str(REPO_ROOT))
+SCRIPTS = Path(__file__).resolve().parent
+REPO_ROOT = SCRIPTS.parent
+for folder in (REPO_ROOT, SCRIPTS):  # run from the checkout, not installed; measure_* describe the runs
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from kvroute.bench.replay_results import ratios  # noqa: E402
+from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
+from measure_placement import engine_record  # noqa: E402
+from measure_trace import scaled_sample  # noqa: E402
 from kvroute.bench.workloads import (RepositoryAssistantConfig, generate_workload, load_tokenizer,  # noqa: E402
                                      tokenizer_counter)
 from simulator import CpuSettings, SimCalibration, SimulationSettings, simulate  # noqa: E402
@@ -85,8 +94,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- the real run
 
 
+def is_trace_run(results: dict) -> bool:
+    """Written by ``measure_trace.py`` (else by ``measure_placement.py``)."""
+    return "trace" in results
+
+
 def load_real(path: Path) -> tuple[dict, list[dict], list[str]]:
     results = json.loads(path.read_text())
+    if is_trace_run(results) and "workload" not in results:
+        # Trace runs made before they recorded their engines ran the workers' defaults of now.
+        results["workload"] = engine_record(results["settings"]["kv_cache_gib_used"], results["settings"]["dtype"])
     serve_log = path.parent / "serve.log"
     decisions = read_decisions(serve_log) if serve_log.exists() else []
     logs = [log.read_text(errors="replace") for log in sorted((path.parent / "workers").glob("*.log"))]
@@ -95,21 +112,33 @@ def load_real(path: Path) -> tuple[dict, list[dict], list[str]]:
 
 def rebuild_requests(results: dict):
     """The run's requests as token ids, and how they compare with its rows."""
-    tokenizer = load_tokenizer()
-    config = RepositoryAssistantConfig(**results["workload"]["config"])
-    workload = generate_workload(config, tokenizer_counter(tokenizer))
-    requests = replay_requests(workload, tokenizer)
+    requests, groups = trace_requests(results) if is_trace_run(results) else repository_requests(results)
     by_index = {request.index: request for request in requests}
-    repositories = {item.index: item.repository for item in workload}
     checked = mismatched = 0
     for row in results["requests"]:
         request = by_index.get(row["index"])
         checked += 1
         if (request is None or request.prompt_tokens != row["prompt_tokens"]
                 or abs(request.arrival_seconds - row["scheduled_s"]) > 1e-6
-                or repositories[row["index"]] != row["repository"]):
+                or groups[row["index"]] != row["repository"]):
             mismatched += 1
     return requests, {"rows_checked": checked, "rows_mismatched": mismatched, "requests": len(requests)}
+
+
+def repository_requests(results: dict):
+    """The repository-assistant requests, templated by the model's tokenizer, and their repositories."""
+    tokenizer = load_tokenizer()
+    config = RepositoryAssistantConfig(**results["workload"]["config"])
+    workload = generate_workload(config, tokenizer_counter(tokenizer))
+    return replay_requests(workload, tokenizer), {item.index: item.repository for item in workload}
+
+
+def trace_requests(results: dict):
+    """The trace sample, scaled as the run scaled it, and each request's first block id
+    (what the run recorded as its prefix group)."""
+    trace = scaled_sample(read_trace(results["trace"]["path"]), results["settings"]["family_fraction"],
+                          TraceScaling(**results["trace"]["scaling"]))
+    return replay_requests(trace), {request.index: request.hash_ids[0] for request in trace.requests}
 
 
 def real_p50_interval(rows: list[dict], seed: int = 0) -> tuple[float, float]:
@@ -222,6 +251,9 @@ def ratio_line(name: str, values: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results, decisions, logs = load_real(args.real)
+    if args.scale and is_trace_run(results):
+        raise SystemExit("--scale simulates the repository-assistant workload; for the trace at scale see "
+                         "scripts/results_page.py")
     policies = list(results["summaries"])
     requests, check = rebuild_requests(results)
     console.print(f"requests rebuilt: {check['requests']}; {check['rows_mismatched']} of {check['rows_checked']} "

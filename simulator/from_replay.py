@@ -46,7 +46,7 @@ from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
 from simulator.simulate import SimulationSettings
 
-VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU, when the records do not say
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU, for replays that recorded neither decisions nor it
 # The workers' per-request step caps (``kvroute.worker.settings``) in replays that did not
 # record them: decode workers capped prompts at 256 tokens, prefill workers did not.
 CAPS_BEFORE_THEY_WERE_RECORDED = {"prefill": 0, "decode": 256}
@@ -135,7 +135,8 @@ def cluster_from_replay(results: dict, decisions: Sequence[dict] = ()) -> Replay
     worker-id order within a pool, as the baselines see the workers."""
     roles = {role: sorted(w for w in results["workers"] if w.startswith(role)) for role in ("prefill", "decode")}
     ordered = tuple(roles["prefill"] + roles["decode"])
-    block_size = next((d["block_size"] for d in decisions if d.get("block_size")), VLLM_CPU_BLOCK_SIZE)
+    recorded = results["workload"].get("block_size", VLLM_CPU_BLOCK_SIZE)  # not recorded: vLLM's default then
+    block_size = next((d["block_size"] for d in decisions if d.get("block_size")), recorded)
     num_blocks = int(results["workload"]["kv_cache_tokens_per_worker"] // block_size)  # vLLM rounds down
     # Replays from before decode workers evicted pulled prompts first did not record it.
     evict_pulled_first = results["workload"].get("evict_pulled_first", False)

@@ -1,0 +1,126 @@
+"""scripts/validate_simulator.py on a trace run (``scripts/measure_trace.py``'s results): the
+requests rebuilt request for request, the engines of runs that did not record them, and a
+whole validation of a run the simulator itself made."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import validate_simulator  # noqa: E402
+from kvroute.bench.replay_results import ratios  # noqa: E402
+from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
+from measure_placement import engine_record, kv_cache_tokens  # noqa: E402
+from measure_trace import scaled_sample  # noqa: E402
+from simulator import simulate  # noqa: E402
+from simulator.from_replay import calibration_from_replay, cluster_from_replay  # noqa: E402
+
+POLICIES = ("cache_aware", "round_robin")
+SCALING = TraceScaling(block_tokens=32, output_scale=1.0, max_context_tokens=4096)
+WORKERS = {"prefill-0": "prefill@0", "prefill-1": "prefill@1", "decode-0": "decode@0"}
+KV_CACHE_GIB = 0.05
+
+
+def write_trace(path: Path) -> Path:
+    """Four families of growing prompts (a shared head, then a tail of their own), arriving
+    every 1.5 s, so prefills mostly run alone and the fit has points."""
+    rows = []
+    for k in range(32):
+        family, blocks = k % 4, 2 + k % 5
+        hash_ids = [1000 * family] + [1000 * family + 1 + b for b in range(blocks - 1)]
+        rows.append({"timestamp": 1500 * k, "input_length": 512 * blocks - 100, "output_length": 12,
+                     "hash_ids": hash_ids})
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+def trace_run(trace_path: Path, recorded_engines: bool = True) -> dict:
+    """A measure_trace.py results.json without requests yet."""
+    results = {"workers": WORKERS, "machine": {"cpus": 2}, "summaries": {}, "requests": [],
+               "settings": {"family_fraction": 1.0, "kv_cache_gib_used": KV_CACHE_GIB, "dtype": "float32"},
+               "trace": {"path": str(trace_path), "scaling": vars(SCALING)}}
+    if recorded_engines:
+        results["workload"] = engine_record(KV_CACHE_GIB, "float32")
+    return results
+
+
+def sample(trace_path: Path):
+    return scaled_sample(read_trace(trace_path), 1.0, SCALING)
+
+
+def rows_of(policy: str, trace, records) -> list[dict]:
+    """What measure_trace.py records of each request, from simulated records."""
+    groups = {request.index: request.hash_ids[0] for request in trace.requests}
+    return [{"policy": policy, "index": r.index, "repository": groups[r.index], "scheduled_s": r.arrival_seconds,
+             "sent_s": r.arrival_seconds, "status": 200, "error": None, "counted": True,
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "plan_kind": r.plan,
+             "prefill_worker": r.prefill_worker if r.plan == "disagg" else None, "decode_worker": r.decode_worker,
+             "prefilling_worker": r.prefill_worker, "ttft_s": r.ttft_seconds, "e2e_s": r.e2e_seconds,
+             "chunk_times_s": [r.ttft_seconds, r.e2e_seconds], "response_id": r.request_id} for r in records]
+
+
+def summary(rows: list[dict]) -> dict:
+    ttft = [row["ttft_s"] for row in rows]
+    return {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "hit_rate": sum(row["cached_tokens"] for row in rows) / sum(row["prompt_tokens"] for row in rows)}
+
+
+@pytest.fixture(scope="module")
+def simulated_run(tmp_path_factory) -> Path:
+    """A trace run that the simulator made, on the cluster the results describe, with its
+    default curves: validating it must find the simulator agreeing with itself."""
+    folder = tmp_path_factory.mktemp("trace_run")
+    trace_path = write_trace(folder / "trace.jsonl")
+    results, trace = trace_run(trace_path), sample(trace_path)
+    cluster = cluster_from_replay(results)
+    for policy in POLICIES:
+        records = simulate(trace, policy, cluster.num_prefill, cluster.num_decode, settings=cluster.settings()).records
+        rows = rows_of(policy, trace, sorted(records, key=lambda r: r.index))
+        results["requests"] += rows
+        results["summaries"][policy] = summary(rows)
+    results["ratios"] = ratios(results["summaries"])
+    path = folder / "results.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
+def test_a_trace_run_is_rebuilt_request_for_request(simulated_run):
+    results = json.loads(simulated_run.read_text())
+    requests, check = validate_simulator.rebuild_requests(results)
+    assert check == {"rows_checked": 64, "rows_mismatched": 0, "requests": 32}
+    assert [r.index for r in requests] == list(range(32))
+    results["requests"][5]["prompt_tokens"] += 1
+    results["requests"][9]["repository"] += 1
+    assert validate_simulator.rebuild_requests(results)[1]["rows_mismatched"] == 2
+
+
+def test_a_trace_run_without_engine_settings_gets_the_workers_defaults(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(trace_run(write_trace(tmp_path / "trace.jsonl"), recorded_engines=False)))
+    results, _, _ = validate_simulator.load_real(path)
+    assert results["workload"] == engine_record(KV_CACHE_GIB, "float32")
+    cluster = cluster_from_replay(results)
+    assert cluster.engine.num_blocks == int(kv_cache_tokens(KV_CACHE_GIB, "float32")) // 32
+    assert calibration_from_replay(results).bytes_per_token == 30 * 3 * 64 * 2 * 4  # SmolLM2 in float32
+
+
+def test_the_simulator_validates_a_run_it_made(simulated_run, tmp_path):
+    assert validate_simulator.main(["--real", str(simulated_run), "--seeds", "2", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "validation.json").read_text())
+    assert report["request_check"]["rows_mismatched"] == 0
+    model = next(iter(report["comparison"].values()))  # the first variant is the model itself
+    real = json.loads(simulated_run.read_text())["summaries"]
+    for policy in POLICIES:
+        assert model[policy]["within_band"], (policy, model[policy]["p50_ratio"])
+        assert model[policy]["sim_hit_rate"] == pytest.approx(real[policy]["hit_rate"], abs=0.02)
+
+
+def test_scaling_a_trace_run_is_refused(simulated_run, tmp_path):
+    with pytest.raises(SystemExit, match="repository-assistant"):
+        validate_simulator.main(["--real", str(simulated_run), "--scale", "--output", str(tmp_path)])
