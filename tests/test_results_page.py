@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_page  # noqa: E402
+from tests.test_validate_simulator import simulated_trace_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,11 @@ def sections(text: str) -> dict[str, str]:
 def table_rows(section: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("|---")]
+
+
+def tables(section: str) -> list[list[list[str]]]:
+    """Each table of a section, as its rows (the header included)."""
+    return [table_rows(block) for block in section.split("\n\n") if block.startswith("| ")]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -146,9 +152,50 @@ def test_engine_settings_a_page_did_not_record_take_the_workers_defaults(page, t
     del old["stats_at_step_end"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
-    setup, real = results_page.setup_from_page(path)
+    setup, real = results_page.setup_from_page(path)  # and the real-cluster sections it carries
     for settings in (setup.repository_settings, setup.trace_settings):
         assert settings.prefill_engine.evict_pulled_first is results_page.WorkerSettings.evict_pulled_first
         assert settings.stats_at_step_end  # a page with a real run modelled per-step load reports
     assert "evict_pulled_first = True (kvroute's default now; not recorded by" in setup.model
-    assert real["recorded_by"] == str(path)
+    assert real["real"]["recorded_by"] == str(path) and real["real_trace"] is None
+
+
+def test_a_real_trace_run_is_added_to_a_page_without_simulating_again(page, tmp_path):
+    output, report, _ = page
+    real_run = simulated_trace_run(tmp_path)
+    argv = ["--from-page", str(output / "results.json"), "--keep-simulated", "--real-trace", str(real_run),
+            "--output", str(tmp_path / "page")]
+    assert results_page.main(argv) == 0
+    kept = json.loads((tmp_path / "page" / "results.json").read_text())
+    assert kept["workloads"] == report["workloads"] and kept["command"] == report["command"]
+    for name in (name for names in report["plots"].values() for name in names):
+        assert (tmp_path / "page" / name).read_bytes() == (output / name).read_bytes()
+    text = (tmp_path / "page" / "RESULTS.md").read_text()
+    assert "redone by `scripts/results_page.py --from-page" in text
+    section = sections(text)["The real cluster: trace"]
+    run = json.loads(real_run.read_text())
+    summaries, targets, validation = tables(section)
+    rows = {row[0]: row for row in summaries}
+    for policy, summary in run["summaries"].items():
+        assert float(rows[policy][1]) == pytest.approx(summary["ttft_p50_s"], abs=0.005)
+        assert rows[policy][4] == f"{summary['cached_tokens']:,}"
+        assert float(rows[policy][5].rstrip("%")) == pytest.approx(100 * summary["of_lru_all_workers"], abs=0.05)
+    judged = {t["target"]: t for t in kept["real_trace"]["targets"]}
+    assert judged["cache_aware/round_robin P50 TTFT <= 0.8"]["value"] == pytest.approx(
+        run["summaries"]["cache_aware"]["ttft_p50_s"] / run["summaries"]["round_robin"]["ttft_p50_s"])
+    for name, t in judged.items():
+        assert dict(targets)[name].endswith("PASS" if t["pass"] else "MISS")
+    assert {row[0] for row in validation[1:]} == set(kept["real_trace"]["comparison"]) == set(run["summaries"])
+
+    # A page made from that one carries the trace run, marked as recorded by it.
+    again = tmp_path / "again"
+    assert results_page.main(["--from-page", str(tmp_path / "page" / "results.json"), "--keep-simulated",
+                              "--output", str(again)]) == 0
+    carried = json.loads((again / "results.json").read_text())["real_trace"]
+    assert carried["recorded_by"] == str(tmp_path / "page" / "results.json")
+    assert "## The real cluster: trace" in (again / "RESULTS.md").read_text()
+
+
+def test_keeping_the_simulated_part_needs_a_page():
+    with pytest.raises(SystemExit):
+        results_page.parse_args(["--keep-simulated"])

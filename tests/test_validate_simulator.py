@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import validate_simulator  # noqa: E402
 from kvroute.bench.replay_results import ratios  # noqa: E402
 from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
 from measure_placement import engine_record, kv_cache_tokens  # noqa: E402
-from measure_trace import scaled_sample  # noqa: E402
+from measure_trace import scaled_sample, shares_of_bounds, trace_bounds  # noqa: E402
 from simulator import simulate  # noqa: E402
 from simulator.from_replay import calibration_from_replay, cluster_from_replay  # noqa: E402
 
@@ -42,9 +43,13 @@ def write_trace(path: Path) -> Path:
 
 def trace_run(trace_path: Path, recorded_engines: bool = True) -> dict:
     """A measure_trace.py results.json without requests yet."""
+    trace = sample(trace_path)
+    blocks = int(kv_cache_tokens(KV_CACHE_GIB, "float32")) // SCALING.block_tokens
     results = {"workers": WORKERS, "machine": {"cpus": 2}, "summaries": {}, "requests": [],
                "settings": {"family_fraction": 1.0, "kv_cache_gib_used": KV_CACHE_GIB, "dtype": "float32"},
-               "trace": {"path": str(trace_path), "scaling": vars(SCALING)}}
+               "trace": {"path": str(trace_path), "scaling": vars(SCALING), "kept": trace.kept,
+                         "dropped": trace.dropped, "kv_cache_blocks_per_worker": blocks,
+                         "bounds": trace_bounds(trace, SCALING.block_tokens, blocks * len(WORKERS), 0)}}
     if recorded_engines:
         results["workload"] = engine_record(KV_CACHE_GIB, "float32")
     return results
@@ -66,16 +71,14 @@ def rows_of(policy: str, trace, records) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
-    ttft = [row["ttft_s"] for row in rows]
+    ttft, cached = [row["ttft_s"] for row in rows], sum(row["cached_tokens"] for row in rows)
     return {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "hit_rate": sum(row["cached_tokens"] for row in rows) / sum(row["prompt_tokens"] for row in rows)}
+            "hit_rate": cached / sum(row["prompt_tokens"] for row in rows), "cached_tokens": cached, "errors": 0}
 
 
-@pytest.fixture(scope="module")
-def simulated_run(tmp_path_factory) -> Path:
+def simulated_trace_run(folder: Path) -> Path:
     """A trace run that the simulator made, on the cluster the results describe, with its
-    default curves: validating it must find the simulator agreeing with itself."""
-    folder = tmp_path_factory.mktemp("trace_run")
+    default curves (written as measure_trace.py writes a real one)."""
     trace_path = write_trace(folder / "trace.jsonl")
     results, trace = trace_run(trace_path), sample(trace_path)
     cluster = cluster_from_replay(results)
@@ -84,10 +87,17 @@ def simulated_run(tmp_path_factory) -> Path:
         rows = rows_of(policy, trace, sorted(records, key=lambda r: r.index))
         results["requests"] += rows
         results["summaries"][policy] = summary(rows)
+    shares_of_bounds(SimpleNamespace(summaries=results["summaries"]), results["trace"]["bounds"])
     results["ratios"] = ratios(results["summaries"])
     path = folder / "results.json"
     path.write_text(json.dumps(results))
     return path
+
+
+@pytest.fixture(scope="module")
+def simulated_run(tmp_path_factory) -> Path:
+    """Validating a run the simulator made must find the simulator agreeing with itself."""
+    return simulated_trace_run(tmp_path_factory.mktemp("trace_run"))
 
 
 def test_a_trace_run_is_rebuilt_request_for_request(simulated_run):
