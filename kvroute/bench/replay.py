@@ -26,7 +26,10 @@ from typing import Callable
 import httpx
 
 POLICY_HEADER = "X-KVRoute-Policy"
-REQUEST_TIMEOUT_S = 180
+# Longest silence between two bytes of one response. Past the orchestrator's default
+# queue-wait limit (600 s) plus one worker timeout (60 s): an overloaded cluster's late
+# answer (or its 504) is recorded as the server gave it, not as the client giving up first.
+REQUEST_TIMEOUT_S = 720
 DECISION_FETCH_CONCURRENCY = 16
 START_DELAY_S = 0.5  # so the first arrivals are not late while the first tasks are created
 

@@ -54,7 +54,8 @@ class ReplaySettings:
     seed: int = setting(0, "seed of the workload, or of the trace's token content")
     api_key: str = setting("", "API key sent as a Bearer token, for servers with keys")
     reset_cache: bool = setting(True, "empty every cache before each policy, where the server allows it")
-    request_timeout: float = setting(float(REQUEST_TIMEOUT_S), "seconds one request may take")
+    request_timeout: float = setting(float(REQUEST_TIMEOUT_S),
+                                     "seconds a response may fall silent before the client records a timeout")
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
