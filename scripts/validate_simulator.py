@@ -21,8 +21,9 @@ present):
    with the run's refused pulls replayed (the decode worker prefilled those requests
    again, on a shared core);
 4. with ``--scale`` (repository-assistant runs only; the results page scales the trace),
-   the same fitted costs on larger clusters of the repository-assistant workload (8 and 1,000 workers by default, each engine on cores of its own, the run's
-   load per prefill worker): the ratios cache_aware/round_robin P50 TTFT and
+   the same fitted costs on larger clusters of the repository-assistant workload (8 and
+   1,000 workers by default, each engine on cores of its own, the run's load per prefill
+   worker): the ratios cache_aware/round_robin P50 TTFT and
    cache_aware/best-baseline P99 TTFT, next to the real and simulated ones of the run.
 
 The real P50 comes with a bootstrap interval (resampling the run's requests): over ~40
@@ -63,10 +64,10 @@ from rich.table import Table  # noqa: E402
 
 from kvroute.bench.replay_results import ratios  # noqa: E402
 from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
-from measure_placement import engine_record  # noqa: E402
-from measure_trace import scaled_sample  # noqa: E402
 from kvroute.bench.workloads import (RepositoryAssistantConfig, generate_workload, load_tokenizer,  # noqa: E402
                                      tokenizer_counter)
+from measure_placement import engine_record  # noqa: E402
+from measure_trace import scaled_sample  # noqa: E402
 from simulator import CpuSettings, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.from_replay import (ReplayCluster, calibration_from_replay, cluster_from_replay,  # noqa: E402
                                    failed_pulls, read_decisions, succeeded_rows)
