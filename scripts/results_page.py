@@ -131,11 +131,12 @@ class Setup:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "results")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--real", type=Path, help="results.json of scripts/measure_placement.py")
-    source.add_argument("--from-page", type=Path,
+    parser.add_argument("--real", type=Path,
+                        help="results.json of scripts/measure_placement.py: the simulation's cost curves and "
+                             "workload base, and the real-cluster section (with --keep-simulated: that section alone)")
+    parser.add_argument("--from-page", type=Path,
                         help="results.json of an earlier page: its curves, workload base, engines and "
-                             "real-cluster section, without a new replay")
+                             "real-cluster sections, without a new replay")
     parser.add_argument("--real-trace", type=Path, help="results.json of scripts/measure_trace.py")
     parser.add_argument("--keep-simulated", action="store_true",
                         help="with --from-page: keep that page's simulated part, redo only the real-cluster sections")
@@ -144,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.keep_simulated and not args.from_page:
         parser.error("--keep-simulated keeps the simulated part of the page given by --from-page")
+    if args.real and args.from_page and not args.keep_simulated:
+        parser.error("--real and --from-page both give the simulation's cost curves; add --keep-simulated to "
+                     "keep the page's simulation and take only the real-cluster section from --real")
     return args
 
 
@@ -304,9 +308,10 @@ def validation(real: Path) -> dict:
            "workers": results["workers"]}
     if validate_simulator.is_trace_run(results):
         out |= {"trace": results["trace"] | {"family_fraction": results["settings"]["family_fraction"]},
-                "targets": real_trace_targets(results["summaries"], results["ratios"])}
+                "targets": real_targets(TRACE, results["summaries"], results["ratios"])}
     else:
-        out |= {"workload": results["workload"]["config"]}
+        out |= {"workload": results["workload"]["config"],
+                "targets": real_targets(REPOSITORY, results["summaries"], results["ratios"])}
     try:
         requests, check = validate_simulator.rebuild_requests(results)  # needs the model's tokenizer
     except (ImportError, OSError) as error:
@@ -319,12 +324,12 @@ def validation(real: Path) -> dict:
                   "comparison": validate_simulator.compare(results, simulated, args.band)}
 
 
-def real_trace_targets(summaries: dict[str, dict], found: dict) -> list[dict]:
-    """The trace's targets judged on a real run (its summaries carry the shares of the bounds)."""
+def real_targets(workload: str, summaries: dict[str, dict], found: dict) -> list[dict]:
+    """A workload's targets judged on a real run (a trace run's summaries carry the shares of the bounds)."""
     cache_aware = summaries.get("cache_aware", {})
     row = target_ratios(found) | {"of_lru": cache_aware.get("of_lru_all_workers"),
                                   "of_unlimited": cache_aware.get("of_unlimited")}
-    return [target.judge(row) for target in TARGETS if target.workload == TRACE]
+    return [target.judge(row) for target in TARGETS if target.workload == workload]
 
 
 # ---------------------------------------------------------------- plots
@@ -556,13 +561,18 @@ def workload_section(workload: str, rows: list[dict], plots: list[str]) -> str:
 
 
 def real_section(real: dict) -> str:
-    summaries = table(["policy", "P50 TTFT (s)", "P99 TTFT (s)", "hit rate"],
-                      [[policy, cell(s["ttft_p50_s"]), cell(s["ttft_p99_s"]), cell(s["hit_rate"], "%")]
+    summaries = table(["policy", "P50 TTFT (s)", "P99 TTFT (s)", "2nd token P99 (s)", "hit rate", "errors"],
+                      [[policy, cell(s["ttft_p50_s"]), cell(s["ttft_p99_s"]), cell(s.get("second_token_p99_s")),
+                        cell(s["hit_rate"], "%"), s.get("errors", 0)]
                        for policy, s in real["summaries"].items()])
+    # Pages made before the real section judged its targets: judged here from its ratios.
+    judged = real.get("targets") or real_targets(REPOSITORY, real["summaries"], real["ratios"])
+    targets = table(["target", "real cluster"], [[t["target"], verdict(t)] for t in judged])
     config, ratio = real["workload"], real["ratios"]
+    source = f", `scripts/measure_placement.py` (`{real['source']}`)" if real.get("source") else ""
     out = (f"## The real cluster\n\n{len(real['workers'])} vLLM-CPU workers ({', '.join(real['workers'].values())}"
-           f"), {config['requests']} requests at {config['rate']} requests/s over {config['repositories']} "
-           f"repositories: {ratio_sentence(ratio)}" + recorded(real) + f"\n\n{summaries}")
+           f"){source}, {config['requests']} requests at {config['rate']} requests/s over {config['repositories']} "
+           f"repositories: {ratio_sentence(ratio)}" + recorded(real) + f"\n\n{summaries}\n\n{targets}")
     return out + validation_table(real)
 
 

@@ -120,7 +120,7 @@ WORDS = ("apple river stone cloud garden window silver forest candle bridge mark
          "violet copper marble basket blanket button cotton dragon feather island jungle kettle ladder "
          "magnet needle orchard parrot puzzle rocket saddle tiger tunnel wagon walnut yellow zebra anchor "
          "barrel cabin desert falcon glacier hammer jacket lemon monkey planet").split()
-NOTEBOOK_WORDS = 900  # ~900 prompt tokens: prefill (seconds on CPU) dominates the TTFT of a cold prompt
+NOTEBOOK_WORDS = 450  # ~450 prompt tokens: prefill (seconds on CPU) dominates the TTFT of a cold prompt
 TIMING_ROUNDS = 6  # one round per order of the three measurements
 KINDS = ("b_on_a_prefix", "a_warm", "cold")
 

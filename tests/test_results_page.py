@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_page  # noqa: E402
-from tests.test_validate_simulator import simulated_trace_run  # noqa: E402
+from tests.test_validate_simulator import simulated_repository_run, simulated_trace_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +196,37 @@ def test_a_real_trace_run_is_added_to_a_page_without_simulating_again(page, tmp_
     assert "## The real cluster: trace" in (again / "RESULTS.md").read_text()
 
 
+def test_a_real_repository_run_replaces_the_pages_real_section_without_simulating_again(page, tmp_path):
+    output, report, _ = page
+    real_run = simulated_repository_run(tmp_path)
+    argv = ["--from-page", str(output / "results.json"), "--keep-simulated", "--real", str(real_run),
+            "--output", str(tmp_path / "page")]
+    assert results_page.main(argv) == 0
+    kept = json.loads((tmp_path / "page" / "results.json").read_text())
+    assert kept["workloads"] == report["workloads"] and kept["calibration"] == report["calibration"]
+    assert kept["real"]["source"] == str(real_run) and "recorded_by" not in kept["real"]
+    section = sections((tmp_path / "page" / "RESULTS.md").read_text())["The real cluster"]
+    assert f"(`{real_run}`)" in section
+    run = json.loads(real_run.read_text())
+    summaries, targets, validation = tables(section)
+    rows = {row[0]: row for row in summaries}
+    for policy, summary in run["summaries"].items():
+        assert float(rows[policy][1]) == pytest.approx(summary["ttft_p50_s"], abs=0.005)
+        assert float(rows[policy][2]) == pytest.approx(summary["ttft_p99_s"], abs=0.005)
+    judged = {t["target"]: t for t in kept["real"]["targets"]}
+    assert judged["cache_aware/round_robin P50 TTFT <= 0.25"]["value"] == pytest.approx(
+        run["summaries"]["cache_aware"]["ttft_p50_s"] / run["summaries"]["round_robin"]["ttft_p50_s"])
+    assert set(judged) == {"cache_aware/round_robin P50 TTFT <= 0.25", "cache_aware/best baseline P99 TTFT <= 1"}
+    for name, t in judged.items():
+        assert dict(targets)[name].endswith("PASS" if t["pass"] else "MISS")
+    assert {row[0] for row in validation[1:]} == set(run["summaries"])
+
+
 def test_keeping_the_simulated_part_needs_a_page():
     with pytest.raises(SystemExit):
         results_page.parse_args(["--keep-simulated"])
+
+
+def test_a_real_run_and_a_page_without_keeping_its_simulation_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        results_page.parse_args(["--real", str(tmp_path / "run.json"), "--from-page", str(tmp_path / "page.json")])

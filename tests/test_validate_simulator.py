@@ -1,11 +1,12 @@
 """scripts/validate_simulator.py on a trace run (``scripts/measure_trace.py``'s results): the
 requests rebuilt request for request, the engines of runs that did not record them, and a
-whole validation of a run the simulator itself made."""
+whole validation of a run the simulator itself made (a repository-assistant run as well)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import validate_simulator  # noqa: E402
 from kvroute.bench.replay_results import ratios  # noqa: E402
 from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
+from kvroute.bench.workloads import RepositoryAssistantConfig  # noqa: E402
 from measure_placement import engine_record, kv_cache_tokens  # noqa: E402
 from measure_trace import scaled_sample, shares_of_bounds, trace_bounds  # noqa: E402
 from simulator import simulate  # noqa: E402
@@ -26,6 +28,8 @@ POLICIES = ("cache_aware", "round_robin")
 SCALING = TraceScaling(block_tokens=32, output_scale=1.0, max_context_tokens=4096)
 WORKERS = {"prefill-0": "prefill@0", "prefill-1": "prefill@1", "decode-0": "decode@0"}
 KV_CACHE_GIB = 0.05
+REPOSITORY = RepositoryAssistantConfig(repositories=3, requests=24, rate=0.5, prefix_min_tokens=200,
+                                       prefix_max_tokens=400, max_tokens=4)
 
 
 def write_trace(path: Path) -> Path:
@@ -59,9 +63,9 @@ def sample(trace_path: Path):
     return scaled_sample(read_trace(trace_path), 1.0, SCALING)
 
 
-def rows_of(policy: str, trace, records) -> list[dict]:
-    """What measure_trace.py records of each request, from simulated records."""
-    groups = {request.index: request.hash_ids[0] for request in trace.requests}
+def rows_of(policy: str, groups: dict[int, int], records) -> list[dict]:
+    """What measure_trace.py and measure_placement.py record of each request (its prefix
+    group under "repository"), from simulated records."""
     return [{"policy": policy, "index": r.index, "repository": groups[r.index], "scheduled_s": r.arrival_seconds,
              "sent_s": r.arrival_seconds, "status": 200, "error": None, "counted": True,
              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "plan_kind": r.plan,
@@ -81,14 +85,36 @@ def simulated_trace_run(folder: Path) -> Path:
     default curves (written as measure_trace.py writes a real one)."""
     trace_path = write_trace(folder / "trace.jsonl")
     results, trace = trace_run(trace_path), sample(trace_path)
+    groups = {request.index: request.hash_ids[0] for request in trace.requests}
+    simulate_into(results, trace, groups)
+    shares_of_bounds(SimpleNamespace(summaries=results["summaries"]), results["trace"]["bounds"])
+    return written(folder, results)
+
+
+def simulated_repository_run(folder: Path) -> Path:
+    """A repository-assistant run that the simulator made (written as measure_placement.py
+    writes a real one), on a workload small enough for a test."""
+    results = {"workers": WORKERS, "machine": {"cpus": 2}, "summaries": {}, "requests": [],
+               "settings": {"kv_cache_gib_used": KV_CACHE_GIB, "dtype": "float32"},
+               "workload": {"config": asdict(REPOSITORY)} | engine_record(KV_CACHE_GIB, "float32")}
+    requests, groups = validate_simulator.repository_requests(results)
+    simulate_into(results, requests, groups)
+    return written(folder, results)
+
+
+def simulate_into(results: dict, requests, groups: dict[int, int]) -> None:
+    """Every policy of POLICIES on the cluster the results describe: rows, summaries, ratios."""
     cluster = cluster_from_replay(results)
     for policy in POLICIES:
-        records = simulate(trace, policy, cluster.num_prefill, cluster.num_decode, settings=cluster.settings()).records
-        rows = rows_of(policy, trace, sorted(records, key=lambda r: r.index))
+        records = simulate(requests, policy, cluster.num_prefill, cluster.num_decode,
+                           settings=cluster.settings()).records
+        rows = rows_of(policy, groups, sorted(records, key=lambda r: r.index))
         results["requests"] += rows
         results["summaries"][policy] = summary(rows)
-    shares_of_bounds(SimpleNamespace(summaries=results["summaries"]), results["trace"]["bounds"])
     results["ratios"] = ratios(results["summaries"])
+
+
+def written(folder: Path, results: dict) -> Path:
     path = folder / "results.json"
     path.write_text(json.dumps(results))
     return path
@@ -120,12 +146,20 @@ def test_a_trace_run_without_engine_settings_gets_the_workers_defaults(tmp_path)
     assert calibration_from_replay(results).bytes_per_token == 30 * 3 * 64 * 2 * 4  # SmolLM2 in float32
 
 
-def test_the_simulator_validates_a_run_it_made(simulated_run, tmp_path):
-    assert validate_simulator.main(["--real", str(simulated_run), "--seeds", "2", "--output", str(tmp_path)]) == 0
+@pytest.fixture(scope="module")
+def repository_run(tmp_path_factory) -> Path:
+    return simulated_repository_run(tmp_path_factory.mktemp("repository_run"))
+
+
+@pytest.mark.parametrize("run", ["simulated_run", "repository_run"])
+def test_the_simulator_validates_a_run_it_made(run, request, tmp_path):
+    path = request.getfixturevalue(run)
+    assert validate_simulator.main(["--real", str(path), "--seeds", "2", "--output", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "validation.json").read_text())
-    assert report["request_check"]["rows_mismatched"] == 0
+    rows = len(json.loads(path.read_text())["requests"])
+    assert report["request_check"]["rows_mismatched"] == 0 and report["request_check"]["rows_checked"] == rows
     model = next(iter(report["comparison"].values()))  # the first variant is the model itself
-    real = json.loads(simulated_run.read_text())["summaries"]
+    real = json.loads(path.read_text())["summaries"]
     for policy in POLICIES:
         assert model[policy]["within_band"], (policy, model[policy]["p50_ratio"])
         assert model[policy]["sim_hit_rate"] == pytest.approx(real[policy]["hit_rate"], abs=0.02)
