@@ -566,14 +566,17 @@ def real_section(real: dict) -> str:
                         cell(s["hit_rate"], "%"), s.get("errors", 0)]
                        for policy, s in real["summaries"].items()])
     # Pages made before the real section judged its targets: judged here from its ratios.
-    judged = real.get("targets") or real_targets(REPOSITORY, real["summaries"], real["ratios"])
-    targets = table(["target", "real cluster"], [[t["target"], verdict(t)] for t in judged])
+    targets = targets_table(real.get("targets") or real_targets(REPOSITORY, real["summaries"], real["ratios"]))
     config, ratio = real["workload"], real["ratios"]
     source = f", `scripts/measure_placement.py` (`{real['source']}`)" if real.get("source") else ""
     out = (f"## The real cluster\n\n{len(real['workers'])} vLLM-CPU workers ({', '.join(real['workers'].values())}"
            f"){source}, {config['requests']} requests at {config['rate']} requests/s over {config['repositories']} "
            f"repositories: {ratio_sentence(ratio)}" + recorded(real) + f"\n\n{summaries}\n\n{targets}")
     return out + validation_table(real)
+
+
+def targets_table(judged: list[dict]) -> str:
+    return table(["target", "real cluster"], [[t["target"], verdict(t)] for t in judged])
 
 
 def ratio_sentence(found: dict) -> str:
@@ -596,7 +599,7 @@ def real_trace_section(real: dict) -> str:
                         f"{s['cached_tokens']:,}", cell(s.get("of_lru_all_workers"), "%"),
                         cell(s.get("of_unlimited"), "%"), s.get("errors", 0)]
                        for policy, s in real["summaries"].items()])
-    targets = table(["target", "real cluster"], [[t["target"], verdict(t)] for t in real["targets"]])
+    targets = targets_table(real["targets"])
     out = (f"## The real cluster: trace\n\n{len(real['workers'])} vLLM-CPU workers "
            f"({', '.join(real['workers'].values())}), `scripts/measure_trace.py` (`{real['source']}`): every record of "
            f"{trace['family_fraction']:.0%} of the trace's prefix families ({trace['kept']} requests, "

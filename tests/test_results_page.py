@@ -160,13 +160,19 @@ def test_engine_settings_a_page_did_not_record_take_the_workers_defaults(page, t
     assert real["real"]["recorded_by"] == str(path) and real["real_trace"] is None
 
 
+def kept_page_with(page_folder: Path, flag: str, real_run: Path, output: Path) -> dict:
+    """The page in ``page_folder`` redone with its simulated part kept and ``flag real_run``
+    as its real-cluster section; the new page's JSON."""
+    argv = ["--from-page", str(page_folder / "results.json"), "--keep-simulated", flag, str(real_run),
+            "--output", str(output)]
+    assert results_page.main(argv) == 0
+    return json.loads((output / "results.json").read_text())
+
+
 def test_a_real_trace_run_is_added_to_a_page_without_simulating_again(page, tmp_path):
     output, report, _ = page
     real_run = simulated_trace_run(tmp_path)
-    argv = ["--from-page", str(output / "results.json"), "--keep-simulated", "--real-trace", str(real_run),
-            "--output", str(tmp_path / "page")]
-    assert results_page.main(argv) == 0
-    kept = json.loads((tmp_path / "page" / "results.json").read_text())
+    kept = kept_page_with(output, "--real-trace", real_run, tmp_path / "page")
     assert kept["workloads"] == report["workloads"] and kept["command"] == report["command"]
     for name in (name for names in report["plots"].values() for name in names):
         assert (tmp_path / "page" / name).read_bytes() == (output / name).read_bytes()
@@ -199,10 +205,7 @@ def test_a_real_trace_run_is_added_to_a_page_without_simulating_again(page, tmp_
 def test_a_real_repository_run_replaces_the_pages_real_section_without_simulating_again(page, tmp_path):
     output, report, _ = page
     real_run = simulated_repository_run(tmp_path)
-    argv = ["--from-page", str(output / "results.json"), "--keep-simulated", "--real", str(real_run),
-            "--output", str(tmp_path / "page")]
-    assert results_page.main(argv) == 0
-    kept = json.loads((tmp_path / "page" / "results.json").read_text())
+    kept = kept_page_with(output, "--real", real_run, tmp_path / "page")
     assert kept["workloads"] == report["workloads"] and kept["calibration"] == report["calibration"]
     assert kept["real"]["source"] == str(real_run) and "recorded_by" not in kept["real"]
     section = sections((tmp_path / "page" / "RESULTS.md").read_text())["The real cluster"]

@@ -156,10 +156,11 @@ def test_the_simulator_validates_a_run_it_made(run, request, tmp_path):
     path = request.getfixturevalue(run)
     assert validate_simulator.main(["--real", str(path), "--seeds", "2", "--output", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "validation.json").read_text())
-    rows = len(json.loads(path.read_text())["requests"])
-    assert report["request_check"]["rows_mismatched"] == 0 and report["request_check"]["rows_checked"] == rows
+    run_results = json.loads(path.read_text())
+    assert report["request_check"]["rows_mismatched"] == 0
+    assert report["request_check"]["rows_checked"] == len(run_results["requests"])
     model = next(iter(report["comparison"].values()))  # the first variant is the model itself
-    real = json.loads(path.read_text())["summaries"]
+    real = run_results["summaries"]
     for policy in POLICIES:
         assert model[policy]["within_band"], (policy, model[policy]["p50_ratio"])
         assert model[policy]["sim_hit_rate"] == pytest.approx(real[policy]["hit_rate"], abs=0.02)
