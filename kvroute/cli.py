@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from kvroute import config, model_prep
-from kvroute.worker import cli_args as worker_cli
+from foundation import config, model_prep
+from worker import cli_args as worker_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +51,8 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.app import run_orchestrator
     from orchestrator.settings import OrchestratorSettings
 
-    run_orchestrator(config.load(OrchestratorSettings, args))
+    settings = config.load(OrchestratorSettings, args)
+    run_orchestrator(replace(settings, model=model_prep.resolve_model(settings.model)))
     return 0
 
 
@@ -63,7 +65,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
-    from kvroute.worker.process import run_worker
+    from worker.process import run_worker
 
     run_worker(worker_cli.settings_from_args(args, role), args.ready_file)
     return 0

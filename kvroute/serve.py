@@ -21,14 +21,14 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
-from kvroute.config import setting
-from kvroute.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
-from kvroute.model_prep import resolve_model
-from kvroute.netutil import free_port
-from kvroute.worker.settings import WorkerSettings
+from foundation.config import setting
+from foundation.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
+from foundation.model_prep import resolve_model
+from foundation.netutil import free_port
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import ENDPOINT, check_transfer_link
+from worker.settings import WorkerSettings
 
 logger = logging.getLogger("kvroute.serve")
 

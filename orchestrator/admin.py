@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from kvroute.wire import ROLES
+from foundation.wire import ROLES
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync

@@ -14,12 +14,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvroute import wire
-from kvroute.identity import Namespace
+from foundation import wire
+from foundation.identity import Namespace
 from orchestrator.admin import describe_workers, reset_all_caches
 from orchestrator.auth import ApiKeys
-from orchestrator.index_sync import IndexSync
 from orchestrator.errors import APIError, error_body
+from orchestrator.index_sync import IndexSync
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.service import CompletionService, Delta, Job, Outcome
@@ -152,7 +152,7 @@ def _encode_prompt(codec, prompt: str | list[int]) -> list[int]:
 
 
 def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, request: Request,
-          shape: "ChatShape") -> list[Job]:
+          shape: ChatShape) -> list[Job]:
     response_id = shape.id_prefix + uuid.uuid4().hex
     policy = context.policy_for(request)
     salt = context.namespace(request).cache_salt()

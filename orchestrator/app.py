@@ -10,14 +10,14 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from kvroute.model_prep import model_fingerprint, resolve_model
+from foundation.model_fingerprint import model_fingerprint
 from orchestrator.api import ApiContext, build_routers
 from orchestrator.auth import ApiKeys
 from orchestrator.decisions import DecisionLog
 from orchestrator.errors import install_handlers
 from orchestrator.feedback import Feedback
-from orchestrator.http_middleware import BodySizeLimit, RequestCounter
 from orchestrator.fleet import Fleet
+from orchestrator.http_middleware import BodySizeLimit, RequestCounter
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
 from orchestrator.metrics import Metrics
@@ -34,7 +34,10 @@ logger = logging.getLogger("kvroute.orchestrator")
 
 
 def create_app(settings: OrchestratorSettings) -> FastAPI:
-    model_path = resolve_model(settings.model)
+    """``settings.model`` is a model folder or hub id, already resolved by the entry point."""
+    if not settings.model:
+        raise ValueError("create_app needs a model folder or hub id (foundation.model_prep.resolve_model)")
+    model_path = settings.model
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.config import ConfigError, read_config_file
+from foundation.config import ConfigError, read_config_file
 from orchestrator.errors import APIError
 from orchestrator.rate_limit import RateLimit
 
@@ -51,11 +51,11 @@ class ApiKeys:
         return bool(self._principals)
 
     @classmethod
-    def disabled(cls) -> "ApiKeys":
+    def disabled(cls) -> ApiKeys:
         return cls({})
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ApiKeys":
+    def from_file(cls, path: str | Path) -> ApiKeys:
         data = read_config_file(Path(path))
         entries = data.get("keys", data)
         if not isinstance(entries, dict) or not entries:

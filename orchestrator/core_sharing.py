@@ -1,7 +1,7 @@
 """Which busy engines share a CPU core with each worker, for the planner's views.
 
 A worker whose engine is bound to particular cores says so in its heartbeats
-(``kvroute.worker.cores``). Engines on one machine whose cores overlap take turns on
+(``worker.cores``). Engines on one machine whose cores overlap take turns on
 them, so a prefill planned on one of them runs slower while the others compute
 (``orchestrator.planner.cost_model.contention_seconds``). Only busy engines are
 attached: an idle one takes nothing from its neighbours, and leaving it out keeps the
@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from kvroute import wire
+from foundation import wire
 from orchestrator.planner.cost_model import active_requests
 from orchestrator.planner.views import WorkerView
 

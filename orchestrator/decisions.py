@@ -64,7 +64,7 @@ class DecisionRecord:
 
     @classmethod
     def from_decision(cls, decision: Decision, response_id: str, choice_index: int, request_id: str,
-                      prompt_tokens: int, block_size: int, stored_tokens: int) -> "DecisionRecord":
+                      prompt_tokens: int, block_size: int, stored_tokens: int) -> DecisionRecord:
         """``stored_tokens``: the leading prompt tokens the prefilling worker had reported stored."""
         chosen = decision.chosen
         predicted = chosen.estimate.reused_tokens if chosen and chosen.estimate else 0

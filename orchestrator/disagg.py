@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvroute import wire
+from foundation import wire
+from foundation.endpoint_client import release_lease
 from orchestrator.worker_client import WorkerClient, WorkerTimeout
-from transfer.block_client import release_lease
 
 logger = logging.getLogger("kvroute.orchestrator.disagg")
 

@@ -15,8 +15,8 @@ import time
 
 import zmq
 
-from kvroute import wire
-from kvroute.netutil import async_context
+from foundation import wire
+from foundation.netutil import async_context
 from orchestrator.circuit_breaker import BreakerSettings, CircuitBreakers
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.registry import Verdict, WorkerRegistry, WorkerView

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute.identity import BlockHash
+from foundation.identity import BlockHash
 from orchestrator.index import PrefixIndex
 
 

@@ -1,6 +1,6 @@
 """Which worker holds how many leading blocks of a prompt. Mechanism only: it never decides.
 
-Entries are keyed by kvroute's own chained block hashes (``kvroute.identity``). vLLM's
+Entries are keyed by kvroute's own chained block hashes (``foundation.identity``). vLLM's
 events name blocks by the engine's hashes, so each worker keeps a map engine hash →
 our hash; a stored block's hash is derived from its parent's (or, for a first block,
 from the cache salt in its extra keys) and its tokens. A worker's entries live under
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvroute import identity, kv_events
+from foundation import identity, kv_events
 from orchestrator.pending_blocks import PendingBlocks, PendingSettings
 
 

@@ -21,8 +21,8 @@ import logging
 
 import zmq
 
-from kvroute import kv_events, wire
-from kvroute.netutil import async_context
+from foundation import kv_events, wire
+from foundation.netutil import async_context
 from orchestrator.index import PrefixIndex
 from orchestrator.registry import WorkerView
 from orchestrator.worker_client import WorkerClient, WorkerError

@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.identity import BlockHash
+from foundation.identity import BlockHash
 
 
 @dataclass(frozen=True)

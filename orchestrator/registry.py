@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvroute import wire
+from foundation import wire
 
 logger = logging.getLogger("kvroute.orchestrator.registry")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvroute import identity, wire
+from foundation import identity, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
@@ -146,7 +146,7 @@ class CompletionService:
             self._capacity_freed.clear()
             try:
                 await asyncio.wait_for(self._capacity_freed.wait(), min(remaining, ADMISSION_REPLAN_SECONDS))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def plan(self, job: Job, excluded: set[str] = frozenset()) -> tuple[Decision, DecisionRecord | None]:

@@ -1,12 +1,11 @@
-"""Orchestrator settings (see kvroute.config for how flags, env and files map onto them)."""
+"""Orchestrator settings (see foundation.config for how flags, env and files map onto them)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from kvroute.config import setting
-
+from foundation.config import setting
 from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.pending_blocks import PendingSettings
 from orchestrator.planner.policies import POLICIES

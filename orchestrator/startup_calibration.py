@@ -1,7 +1,7 @@
 """Workers' start-up prefill timings, fed to the cost model as they register.
 
 A fleet listener: each worker times one cold prefill before it serves
-(``kvroute.worker.prefill_probe``) and reports it in its heartbeats. Taken as one
+(``worker.prefill_probe``) and reports it in its heartbeats. Taken as one
 observation of its role, it sets the order of magnitude of the prefill estimates
 (``PrefillCalibrator``'s scaled defaults) before any request has been timed, so the
 first requests of a fresh cluster are not placed as if prefill cost what it costs on

@@ -37,7 +37,7 @@ class TextCodec:
         if bad:
             raise PromptError(f"token ids outside the vocabulary (0..{self.vocab_size - 1}): {bad[:5]}")
 
-    def text_stream(self, stop: list[str]) -> "TextStream":
+    def text_stream(self, stop: list[str]) -> TextStream:
         return TextStream(self.tokenizer._tokenizer, stop)
 
 

@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvroute import wire
-from kvroute.netutil import async_context
+from foundation import wire
+from foundation.netutil import async_context
 from orchestrator.retry import RetryPolicy, with_retries
 
 logger = logging.getLogger("kvroute.orchestrator.client")

@@ -1,6 +1,6 @@
 """`python -m prefill_worker`: run one prefill worker."""
 
-from kvroute.worker.cli_args import main
+from worker.cli_args import main
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import this module
     main("prefill")

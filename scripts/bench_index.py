@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute.identity import Namespace, block_hashes  # noqa: E402
-from kvroute.kv_events import BlockStored  # noqa: E402
+from foundation.identity import Namespace, block_hashes  # noqa: E402
+from foundation.kv_events import BlockStored  # noqa: E402
 from orchestrator.index import PrefixIndex  # noqa: E402
 
 console = Console(width=int(os.environ.get("COLUMNS", "140")))

@@ -43,8 +43,8 @@ if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute import wire  # noqa: E402
-from kvroute.kv_events import StoredBlockRecord  # noqa: E402
+from foundation import wire  # noqa: E402
+from foundation.kv_events import StoredBlockRecord  # noqa: E402
 from orchestrator.decisions import DecisionLog  # noqa: E402
 from orchestrator.index import PrefixIndex  # noqa: E402
 from orchestrator.load_ledger import LoadLedger  # noqa: E402

@@ -16,7 +16,7 @@ It prints a table and writes JSON to ``--output``. Without a CUDA device it prin
 the same checks on the CPU with tiny sizes (Gloo for the link): the logic only, for the
 tests. Exit status 1 when something is not bit-exact or a check failed to run; a ratio
 under the 0.8 target is reported, not an error. It needs torch, numpy, msgspec, pyzmq and
-this repository (``transfer/``, ``kvroute/wire.py``): no vLLM, no network.
+this repository (``transfer/``, ``foundation/wire.py``): no vLLM, no network.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 if str(REPOSITORY) not in sys.path:  # a GPU host may have the checkout without installing it
     sys.path.insert(0, str(REPOSITORY))
 
-import torch  # noqa: E402
-
 import gpu_check_copies  # noqa: E402  (beside this script)
 import gpu_check_links  # noqa: E402
+import torch  # noqa: E402
 
 MIN_REPS = 5
 

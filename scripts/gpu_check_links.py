@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from kvroute.wire import KVLayoutSpec
+from foundation.wire import KVLayoutSpec
 from transfer.transports.control import ConnectionChannel
 from transfer.transports.links import open_receiver, open_sender
 from transfer.transports.settings import AUTO, TransportSettings

@@ -41,8 +41,8 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from kvroute.bench.stack import Stack, SyntheticStack  # noqa: E402
-from kvroute.model_prep import resolve_model  # noqa: E402
+from foundation.model_prep import resolve_model  # noqa: E402
+from testing.stack import Stack, SyntheticStack  # noqa: E402
 
 console = Console()
 MODEL = "SmolLM2-135M-Instruct"
@@ -134,7 +134,7 @@ async def sample_memory(pid: int, samples: list, stop: asyncio.Event) -> None:
         samples.append((round(time.monotonic() - started, 1), process.memory_info().rss))
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

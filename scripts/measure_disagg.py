@@ -240,7 +240,7 @@ def gaps(token_times: list[float]) -> list[float]:
 
 
 async def single_engine_request(ctx, prompt: list[int]) -> dict:
-    from kvroute import wire
+    from foundation import wire
 
     request = wire.GenerateRequest(request_id=f"single-{uuid.uuid4().hex}", prompt_token_ids=prompt,
                                    sampling=ctx.sampling, cache_salt=f"salt-{uuid.uuid4().hex}")
@@ -333,7 +333,7 @@ async def measure_ttft(ctx) -> dict:
 
 async def hold_prompt(ctx, prompt: list[int]):
     """Prefill ``prompt`` on the prefill worker with hold_blocks; its PullSource (a lease)."""
-    from kvroute import wire
+    from foundation import wire
 
     request = wire.GenerateRequest(request_id=f"hold-{uuid.uuid4().hex}", prompt_token_ids=prompt,
                                    sampling=wire.SamplingSpec(max_tokens=1, ignore_eos=True), hold_blocks=True)
@@ -348,9 +348,9 @@ async def measure_transfers(ctx) -> dict:
     import torch
     import zmq
 
-    from kvroute.bench.transfer_raw import (RawReceiver, RawSender, destination_blocks,
-                                            fake_cache_layers)
-    from transfer.block_client import ChannelPool, fetch_transfer_stats, pull_blocks, release_lease
+    from foundation.endpoint_client import ChannelPool, fetch_transfer_stats, release_lease
+    from kvroute.bench.transfer_raw import RawReceiver, RawSender, destination_blocks, fake_cache_layers
+    from transfer.block_client import pull_blocks
     from transfer.kv_layout import PagedKVCache, block_index_tensor
     from transfer.link_control import open_consumer_link, pull_over_link
     from transfer.shared_copies import read_shared_copy
@@ -543,8 +543,9 @@ async def measure_transfers(ctx) -> dict:
 
 async def wait_no_leases(ctx, timeout: float = 30.0) -> float:
     """Wait until the producer holds no lease (its engine idles again); seconds waited."""
-    from transfer.block_client import fetch_transfer_stats
     import zmq
+
+    from foundation.endpoint_client import fetch_transfer_stats
 
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
@@ -804,7 +805,7 @@ async def measure(args: argparse.Namespace, model: str, workers: dict, results: 
     """Fill ``results`` phase by phase, so a failure late in the run keeps what was measured."""
     from transformers import AutoTokenizer
 
-    from kvroute import wire
+    from foundation import wire
     from orchestrator.worker_client import WorkerClient
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -856,8 +857,8 @@ def _version(*distributions: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*not writable.*")  # torch.frombuffer on read-only frames
     args = parse_args(argv)
-    from kvroute.launcher import WorkerStartError, launch_worker
-    from kvroute.model_prep import resolve_model
+    from foundation.launcher import WorkerStartError, launch_worker
+    from foundation.model_prep import resolve_model
 
     output = args.output
     output.mkdir(parents=True, exist_ok=True)

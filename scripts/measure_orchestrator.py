@@ -54,12 +54,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvroute.bench.lean_http import LeanConnection  # noqa: E402
-from kvroute.bench.stack import Stack, SyntheticStack  # noqa: E402
-
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from kvroute.bench.lean_http import LeanConnection  # noqa: E402
+from testing.stack import Stack, SyntheticStack  # noqa: E402
 
 console = Console()
 
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "work as the direct path; cache_aware may choose LOCAL plans and answer 429)")
     parser.add_argument("--engine", choices=("vllm", "synthetic"), default="vllm",
                         help="vllm: the embedded default with real engines; synthetic: `kvroute orchestrator` "
-                             "with workers whose engines answer in fixed time (kvroute.worker.synthetic), which "
+                             "with workers whose engines answer in fixed time (testing.synthetic_worker), which "
                              "isolates the orchestrator's cost from engine jitter (default: %(default)s)")
     parser.add_argument("--token-seconds", type=float, default=0.005,
                         help="synthetic engines: seconds per output token after the first (default: %(default)s)")
@@ -156,7 +156,7 @@ class CpuMeter:
 
 def start_stack(log_path: Path, args: argparse.Namespace) -> Stack | SyntheticStack:
     if args.engine == "synthetic":
-        from kvroute.model_prep import resolve_model
+        from foundation.model_prep import resolve_model
         return SyntheticStack(resolve_model(None), log_path, ["--policy", args.policy, *args.serve_args.split()],
                               args.token_seconds)
     return Stack(None, log_path, ["--dtype", args.dtype, "--policy", args.policy, *args.serve_args.split()])
@@ -170,7 +170,7 @@ class Paths:
 
     def __init__(self, args: argparse.Namespace, url: str, model_name: str, prefill_address: str,
                  decode_address: str):
-        from kvroute import wire
+        from foundation import wire
         from orchestrator.worker_client import WorkerClient
 
         self.args = args

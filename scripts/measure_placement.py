@@ -5,7 +5,7 @@ workers, 1 decode worker, ``--allow-policy-override``) and, for each policy in t
 
 1. empties every worker's prefix cache (``POST /admin/reset-cache``) and waits until the
    index is empty too, so every policy starts cold;
-2. replays the same seeded workload (``kvroute.bench.workloads``: R repositories with long
+2. replays the same seeded workload (``workloads``: R repositories with long
    shared prefixes, short questions, Zipf popularity, Poisson arrivals) open-loop on its
    arrival schedule: each request is a streaming chat completion sent at its arrival time
    with the header ``X-KVRoute-Policy: <policy>``, whether or not earlier ones finished;
@@ -21,7 +21,7 @@ longest prompt in flight, so about half the working set while a worker is idle. 
 block-level LRU simulation of the default workload (128-token blocks, tail blocks evicted
 first, as vLLM does) puts round-robin's hit rate at 40-50% at that size and a policy that
 keeps each repository on one prefill worker at 70-80%. The workers run at their default
-block size (32 tokens on CPU, ``kvroute.worker.block_size``), so a hit recomputes less of
+block size (32 tokens on CPU, ``worker.block_size``), so a hit recomputes less of
 a prefix's tail than that simulation assumed. At a third of the working set both are lower
 (about 30% and 55-60%): every request also leaves one unshareable block (prefix tail +
 question) in the cache, and each repository's first request misses anyway (12 of 120).
@@ -77,19 +77,25 @@ if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not 
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from foundation.netutil import free_port  # noqa: E402
 from kvroute.bench import replay_plots  # noqa: E402
 from kvroute.bench.replay import POLICY_HEADER, REQUEST_TIMEOUT_S, ReplayTarget, Row, replay  # noqa: E402
 from kvroute.bench.replay_report import ms, summary_table  # noqa: E402
 from kvroute.bench.replay_results import ratios, row_dict, summarize  # noqa: E402
 from kvroute.bench.replay_server import ReplayServer  # noqa: E402
 from kvroute.bench.replay_sources import workload_item  # noqa: E402
-from kvroute.bench.workloads import (RepositoryAssistantConfig, estimate_prefix_tokens,  # noqa: E402
-                                     generate_workload, load_tokenizer, prompt_tokens, repository_prefixes,
-                                     tokenizer_counter)
-from kvroute.netutil import free_port  # noqa: E402
-from kvroute.worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
-from kvroute.worker.dtype import resolve_here  # noqa: E402
-from kvroute.worker.settings import WorkerSettings, default_long_prefill_tokens  # noqa: E402
+from worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
+from worker.dtype import resolve_here  # noqa: E402
+from worker.settings import WorkerSettings, default_long_prefill_tokens  # noqa: E402
+from workloads import (  # noqa: E402
+    RepositoryAssistantConfig,
+    estimate_prefix_tokens,
+    generate_workload,
+    load_tokenizer,
+    prompt_tokens,
+    repository_prefixes,
+    tokenizer_counter,
+)
 
 console = Console(width=170)  # the table is wide; also when the output goes to a file
 
@@ -166,7 +172,7 @@ class Cluster:
         # A process group of its own (stopped as one), in this script's session: with the cluster
         # in a session of its own, the scheduler's autogroups shared the CPU between the cluster
         # and this client as two groups, and under load the client sent requests up to 11 s late
-        # (results/measure_placement_s14, max_send_lateness_s; see kvroute.launcher.spawn).
+        # (results/measure_placement_s14, max_send_lateness_s; see foundation.launcher.spawn).
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             cwd=REPO_ROOT, process_group=0)

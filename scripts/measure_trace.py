@@ -7,12 +7,12 @@ uses): ONE embedded cluster (``python -m kvroute serve``: orchestrator, 2 prefil
 the same requests are replayed open loop, each with ``X-KVRoute-Policy: <policy>``.
 
 The requests are every record of a seeded ``--family-fraction`` of the trace's prefix
-families (``kvroute.bench.trace.sample_families``: records with the same first hash id;
+families (``workloads.trace.sample_families``: records with the same first hash id;
 families share nothing with each other), so the sample keeps the trace's span, its
 rhythm and each family's sharing. The trace's first N records would not: they are mostly
 first visits (the synthetic trace's first 80 share 5% of their tokens; at the default
 fraction, 0.02, the sample is ~80 requests over the trace's 17 minutes, ~0.08 per second).
-Then ``kvroute.bench.trace`` scales them: every 512-token block becomes ``--block-tokens``
+Then ``workloads.trace`` scales them: every 512-token block becomes ``--block-tokens``
 tokens (default 32, the workers' block size on CPU, so the trace's sharing maps onto the
 engines' prefix cache block for block), outputs are multiplied by ``--output-scale``
 (default 0.1: TTFT is what placement decides, and the trace's 149-token mean output would
@@ -54,17 +54,33 @@ for folder in (REPO_ROOT, SCRIPTS):  # run from the checkout, not installed
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from measure_placement import (  # noqa: E402
+    ALL_POLICIES,
+    DECODE_WORKERS,
+    DTYPE_BYTES,
+    KV_ELEMENTS_PER_TOKEN,
+    MAX_MODEL_LEN,
+    PREFILL_WORKERS,
+    Cluster,
+    Runs,
+    checked_policies,
+    console,
+    engine_record,
+    kv_cache_tokens,
+    measure,
+    report,
+    run_record,
+    wait_for_quiet,
+    warm_up,
+)
+
+from foundation.netutil import free_port  # noqa: E402
 from kvroute.bench.oracle import oracle_requests, reuse_bounds  # noqa: E402
 from kvroute.bench.replay_sources import trace_item  # noqa: E402
-from kvroute.bench.trace import (ScaledTrace, TraceRecord, TraceScaling, read_trace,  # noqa: E402
-                                 sample_families, scale_trace)
-from kvroute.netutil import free_port  # noqa: E402
-from kvroute.worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
-from kvroute.worker.dtype import resolve_here  # noqa: E402
-from kvroute.bench.workloads import RepositoryAssistantConfig, load_tokenizer, tokenizer_counter  # noqa: E402
-from measure_placement import (ALL_POLICIES, DECODE_WORKERS, DTYPE_BYTES, KV_ELEMENTS_PER_TOKEN,  # noqa: E402
-                               MAX_MODEL_LEN, PREFILL_WORKERS, Cluster, Runs, checked_policies, console,
-                               engine_record, kv_cache_tokens, measure, report, run_record, wait_for_quiet, warm_up)
+from worker.block_size import CPU_BLOCK_SIZE  # noqa: E402
+from worker.dtype import resolve_here  # noqa: E402
+from workloads import RepositoryAssistantConfig, load_tokenizer, tokenizer_counter  # noqa: E402
+from workloads.trace import ScaledTrace, TraceRecord, TraceScaling, read_trace, sample_families, scale_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

@@ -10,7 +10,7 @@ than A alone; "B busy" about nothing. Unfair sharing shows as one of the two bar
 slowed and the other waiting for it.
 
 The run is made twice, side by side: workers each in a session of their own (as the
-launcher once started them) and in the launcher's session (``kvroute.launcher.spawn``).
+launcher once started them) and in the launcher's session (``foundation.launcher.spawn``).
 Linux's scheduler autogroups share CPU between sessions first, which starved D in the
 first layout. Results go to ``--output``/results.json; a table is printed.
 
@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvroute import wire  # noqa: E402
-from kvroute.launcher import launch_worker, stop_all  # noqa: E402
-from kvroute.model_prep import resolve_model  # noqa: E402
+from foundation import wire  # noqa: E402
+from foundation.launcher import launch_worker, stop_all  # noqa: E402
+from foundation.model_prep import resolve_model  # noqa: E402
 from orchestrator.worker_client import WorkerClient  # noqa: E402
 
 ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.3", "--max-model-len", "4096"]

@@ -62,20 +62,21 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 import validate_simulator  # noqa: E402
-from kvroute.bench.replay_plots import _save as save_figure, ttft_cdf  # noqa: E402 (same style, same DPI)
-from kvroute.bench.replay_results import ratios  # noqa: E402
-from kvroute.bench.trace import TraceScaling, read_trace, scale_trace  # noqa: E402
-from kvroute.bench.workloads import RepositoryAssistantConfig, generate_workload, prefix_target_tokens  # noqa: E402
-from kvroute.worker.settings import WorkerSettings  # noqa: E402
-from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulate import DEFAULT_TRACE, bounds  # noqa: E402
+
+from kvroute.bench.replay_plots import _save as save_figure  # noqa: E402 (same style, same DPI)
+from kvroute.bench.replay_plots import ttft_cdf
+from kvroute.bench.replay_results import ratios  # noqa: E402
+from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.from_replay import calibration_from_replay, cluster_from_replay  # noqa: E402
 from simulator.requests import replay_requests  # noqa: E402
 from simulator.scaling import cold_prefill_seconds, scale_repository_assistant, trace_time_scale  # noqa: E402
 from simulator.sequence import ceil_div  # noqa: E402
+from worker.settings import WorkerSettings  # noqa: E402
+from workloads import RepositoryAssistantConfig, generate_workload, prefix_target_tokens  # noqa: E402
+from workloads.trace import TraceScaling, read_trace, scale_trace  # noqa: E402
 
 SIZES, QUICK_SIZES = (1, 4, 32, 500), (1, 4)  # prefill workers; as many decode workers
 REQUESTS_PER_PREFILL, MAX_REQUESTS = 100, 50_000

@@ -14,7 +14,7 @@ scaled by ``--block-tokens`` (64), ``--output-scale`` (1.0), ``--max-context-tok
 ``--family-fraction`` keeps every record of a share of the prefix families (seeded by
 ``--seed``; with ``--block-tokens 32 --output-scale 0.1 --max-context-tokens 4096`` these
 are the requests ``scripts/measure_trace.py`` replays on a real cluster);
-or ``--workload NAME``, a seeded generator of ``kvroute.bench.workloads`` (``--requests``,
+or ``--workload NAME``, a seeded generator of ``workloads`` (``--requests``,
 ``--rate``, and ``--workload-options KEY=VALUE,...`` for any field of its config). Cost curves:
 ``--calibration FILE`` (JSON of ``SimCalibration`` fields), else the documented defaults.
 ``--cores N``: the engines share N CPU cores, bound as ``kvroute serve`` binds them
@@ -45,14 +45,14 @@ if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from kvroute import identity  # noqa: E402
+from foundation import identity  # noqa: E402
 from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds  # noqa: E402
-from kvroute.bench.trace import ScaledTrace, TraceScaling, read_trace, sample_families, scale_trace  # noqa: E402
-from kvroute.bench.workloads import GENERATORS, generate_named, parse_options  # noqa: E402
-from kvroute.worker.settings import PREFILL_LONG_PREFILL_TOKENS  # noqa: E402
 from orchestrator.planner.policies import POLICIES  # noqa: E402
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate  # noqa: E402
 from simulator.requests import replay_requests  # noqa: E402
+from worker.settings import PREFILL_LONG_PREFILL_TOKENS  # noqa: E402
+from workloads import GENERATORS, generate_named, parse_options  # noqa: E402
+from workloads.trace import ScaledTrace, TraceScaling, read_trace, sample_families, scale_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 console = Console(width=int(os.environ.get("COLUMNS", "160")))
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, help="first N trace records only")
     parser.add_argument("--family-fraction", type=float, default=1.0,
                         help="trace: every record of this share of its prefix families, seeded by --seed "
-                             "(kvroute.bench.trace.sample_families; as scripts/measure_trace.py replays it)")
+                             "(workloads.trace.sample_families; as scripts/measure_trace.py replays it)")
     parser.add_argument("--output-scale", type=float, default=TraceScaling().output_scale)
     parser.add_argument("--max-context-tokens", type=int, default=TraceScaling().max_context_tokens)
     parser.add_argument("--requests", type=int, help="workload: requests (default: the generator's)")

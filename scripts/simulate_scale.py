@@ -22,8 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the project is run from its checkout, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvroute.bench.trace import TraceScaling, load_trace  # noqa: E402
 from simulator import simulate  # noqa: E402
+from workloads.trace import TraceScaling, load_trace  # noqa: E402
 
 TARGET_SECONDS = 60.0
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"

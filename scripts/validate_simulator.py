@@ -59,20 +59,25 @@ for folder in (REPO_ROOT, SCRIPTS):  # run from the checkout, not installed; mea
         sys.path.insert(0, str(folder))
 
 import numpy as np  # noqa: E402
+from measure_placement import engine_record  # noqa: E402
+from measure_trace import scaled_sample  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from kvroute.bench.replay_results import ratios  # noqa: E402
-from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
-from kvroute.bench.workloads import (RepositoryAssistantConfig, generate_workload, load_tokenizer,  # noqa: E402
-                                     tokenizer_counter)
-from measure_placement import engine_record  # noqa: E402
-from measure_trace import scaled_sample  # noqa: E402
 from simulator import CpuSettings, SimCalibration, SimulationSettings, simulate  # noqa: E402
-from simulator.from_replay import (ReplayCluster, calibration_from_replay, cluster_from_replay,  # noqa: E402
-                                   failed_pulls, read_decisions, succeeded_rows)
+from simulator.from_replay import (  # noqa: E402
+    ReplayCluster,
+    calibration_from_replay,
+    cluster_from_replay,
+    failed_pulls,
+    read_decisions,
+    succeeded_rows,
+)
 from simulator.requests import replay_requests  # noqa: E402
 from simulator.scaling import scale_repository_assistant  # noqa: E402
+from workloads import RepositoryAssistantConfig, generate_workload, load_tokenizer, tokenizer_counter  # noqa: E402
+from workloads.trace import TraceScaling, read_trace  # noqa: E402
 
 console = Console(width=int(os.environ.get("COLUMNS", "160")))
 BOOTSTRAP_SAMPLES = 2000

@@ -27,10 +27,10 @@ order, with ``take_events()``, as vLLM's publisher does.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
-from kvroute.identity import BlockHash
-from kvroute.kv_events import BlockRemoved, BlockStored, KVEvent
+from foundation.identity import BlockHash
+from foundation.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 class CapacityError(AssertionError):

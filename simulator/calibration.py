@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable
 
 from orchestrator.planner import cost_model as planner_costs
 from orchestrator.planner.cost_model import CostModel, LinkEstimate, PrefillCoefficients
@@ -92,7 +92,7 @@ class SimCalibration:
     # ------------------------------------------------------------ as data
 
     @classmethod
-    def from_dict(cls, values: dict) -> "SimCalibration":
+    def from_dict(cls, values: dict) -> SimCalibration:
         known = {item.name for item in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -100,7 +100,7 @@ class SimCalibration:
         return cls(**values)
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "SimCalibration":
+    def from_json(cls, path: str | Path) -> SimCalibration:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict:

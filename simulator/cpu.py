@@ -26,10 +26,10 @@ behaviour. Single writer: the simulation loop calls ``set_busy``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from kvroute import wire
+from foundation import wire
 
 SIMULATED_MACHINE = "simulated"
 
@@ -98,7 +98,7 @@ class Cores:
 
 def core_bindings(cores: Cores) -> dict[str, wire.CoreBinding]:
     """What the simulated workers' heartbeats would report: pinned engines their cores
-    (``kvroute.worker.cores``); engines the OS moves around, or with cores of their own, nothing."""
+    (``worker.cores``); engines the OS moves around, or with cores of their own, nothing."""
     if not cores.settings.shared or not cores.settings.pinned:
         return {}
     return {worker_id: wire.CoreBinding(SIMULATED_MACHINE, bound) for worker_id, bound in cores.cores.items()}

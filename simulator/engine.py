@@ -47,8 +47,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvroute.identity import BlockHash
-from kvroute.kv_events import BlockStored
+from foundation.identity import BlockHash
+from foundation.kv_events import BlockStored
 from simulator.block_pool import BlockPool
 from simulator.sequence import Admission, EngineRequest, Produced, RequestState, ceil_div
 
@@ -104,7 +104,7 @@ class Engine:
 
     def queued_prompts(self) -> tuple[int, ...]:
         """Prompt tokens each request with no output yet still has to compute, as a
-        worker's heartbeat lists them (``kvroute.worker.queued_prefill``): what its prefill
+        worker's heartbeat lists them (``worker.queued_prefill``): what its prefill
         has computed and what the cache already holds are done; a pulled prompt is no
         prefill work. The worker learns of a chunk's blocks from KV events published after
         the step that computes it, so a chunk in progress still counts here."""

@@ -7,7 +7,8 @@ breaks ties), so a run is deterministic. Each event is a callback and its argume
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class TimeWentBackwards(AssertionError):

@@ -1,7 +1,7 @@
 """The simulated workers as the orchestrator sees them: ``WorkerView``s and a ``PrefixIndex``.
 
 The views carry what the service's do (``orchestrator.service.CompletionService._view``)
-from what a worker's heartbeat reports (``kvroute.worker.process.WorkerProcess.load``):
+from what a worker's heartbeat reports (``worker.process.WorkerProcess.load``):
 
 * ``num_running`` / ``num_waiting``: the engine's running and waiting requests (those
   waiting for remote KV are waiting, as in vLLM's stats);
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvroute.identity import BlockHash
+from foundation.identity import BlockHash
 from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
 from orchestrator.planner.candidates import load_key

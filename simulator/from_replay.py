@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from simulator.engine import EngineConfig
 from simulator.simulate import SimulationSettings
 
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU, for replays that recorded neither decisions nor it
-# The workers' per-request step caps (``kvroute.worker.settings``) in replays that did not
+# The workers' per-request step caps (``worker.settings``) in replays that did not
 # record them: decode workers capped prompts at 256 tokens, prefill workers did not.
 CAPS_BEFORE_THEY_WERE_RECORDED = {"prefill": 0, "decode": 256}
 MIN_PREFILLS, MIN_GAPS, MIN_PULLS = 8, 8, 2  # fewer points than these leave a field at its default

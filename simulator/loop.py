@@ -32,22 +32,22 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
-from kvroute import identity
+from foundation import identity
+from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import Policy
 from orchestrator.planner.views import Decision, PlanKind, RequestView
 from simulator.calibration import SimCalibration
-from orchestrator.core_sharing import with_core_neighbours
 from simulator.cpu import Cores, CpuSettings, core_bindings
-from simulator.sequence import EngineRequest, Produced, RequestState
 from simulator.events import EventQueue
 from simulator.fleet import ActiveStep, SimFleet, SimWorker
 from simulator.links import Links
 from simulator.records import FINISHED, REJECTED, RequestRecord
 from simulator.requests import ReplayRequest
+from simulator.sequence import EngineRequest, Produced, RequestState
 
 PENDING, RUNNING = "pending", "running"
 

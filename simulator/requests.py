@@ -1,6 +1,6 @@
 """What the simulator replays: anything with an arrival time, a prompt of token ids and an
-output length. Scaled trace requests (``kvroute.bench.trace.TraceRequest``) are that
-already; workload requests (``kvroute.bench.workloads.WorkloadRequest``) carry chat
+output length. Scaled trace requests (``workloads.trace.TraceRequest``) are that
+already; workload requests (``workloads.WorkloadRequest``) carry chat
 messages and are turned into token ids here.
 
 With a tokenizer, a workload prompt is its chat template's token ids, exactly what the
@@ -13,12 +13,13 @@ which is all a prefix cache can see.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
-from kvroute.bench.tokens import pseudo_token_ids
-from kvroute.bench.trace import ScaledTrace, TraceRequest
-from kvroute.bench.workloads import WorkloadRequest, approx_tokens
+from workloads import WorkloadRequest, approx_tokens
+from workloads.tokens import pseudo_token_ids
+from workloads.trace import ScaledTrace, TraceRequest
 
 ROLE_MARKER_TOKENS = 3  # "<|im_start|>role\n", as SmolLM2's template frames a message
 

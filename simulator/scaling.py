@@ -19,11 +19,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
-from kvroute.bench.workloads import RepositoryAssistantConfig
 from simulator.calibration import SimCalibration
+from workloads import RepositoryAssistantConfig
 
 REFERENCE_TRACE_PREFILL = 4  # simulate.py's default cluster: 4 prefill + 4 decode
 

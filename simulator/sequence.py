@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvroute.identity import BlockHash
+from foundation.identity import BlockHash
 
 
 class RequestState(str, Enum):

@@ -25,11 +25,11 @@ from orchestrator.planner.settings import PlannerSettings
 from simulator.calibration import SimCalibration
 from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
-from simulator.sequence import ceil_div
 from simulator.fleet import SimFleet
 from simulator.loop import AdmissionSettings, Simulation
 from simulator.records import PolicySummary, RequestRecord, summarize
 from simulator.requests import ReplayRequest, replay_requests
+from simulator.sequence import ceil_div
 
 
 @dataclass(frozen=True)

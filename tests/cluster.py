@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from kvroute import wire
-from kvroute.launcher import LaunchedWorker, launch_worker, stop_all
-from kvroute.model_prep import resolve_model
+from foundation import wire
+from foundation.launcher import LaunchedWorker, launch_worker, stop_all
+from foundation.model_prep import resolve_model
 from orchestrator.disagg import HandoffRecord, generate_disaggregated
 from orchestrator.worker_client import WorkerClient
 

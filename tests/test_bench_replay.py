@@ -12,11 +12,11 @@ import json
 import httpx
 import pytest
 
+from foundation.model_prep import resolve_model
 from kvroute.bench.replay_server import ReplayError, ReplayServer
-from kvroute.bench.stack import SyntheticStack
 from kvroute.cli import main
-from kvroute.model_prep import resolve_model
 from orchestrator.errors import error_body
+from testing.stack import SyntheticStack
 
 POLICIES = "cache_aware,round_robin"
 PLOTS = ("ttft_cdf.png", "worker_load_over_time.png", "hit_rate_over_time.png")

@@ -9,9 +9,16 @@ import time
 import pytest
 import torch
 
-from tests.test_transfer_contract import (CONSUMER_BLOCKS, DEADLINE_SECONDS, PRODUCER_BLOCKS, Producer,
-                                          assert_pulled, make_cache)
-from transfer.block_client import ChannelPool, PullFailed, pull_blocks, release_lease
+from foundation.endpoint_client import ChannelPool, PullFailed, release_lease
+from tests.test_transfer_contract import (
+    CONSUMER_BLOCKS,
+    DEADLINE_SECONDS,
+    PRODUCER_BLOCKS,
+    Producer,
+    assert_pulled,
+    make_cache,
+)
+from transfer.block_client import pull_blocks
 from transfer.kv_layout import block_index_tensor
 
 pytestmark = pytest.mark.timeout(60)

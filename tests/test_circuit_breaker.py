@@ -7,8 +7,13 @@ import logging
 
 import pytest
 
-from orchestrator.circuit_breaker import (BreakerSettings, BreakerState, CircuitBreaker, CircuitBreakers,
-                                          counts_against_worker)
+from orchestrator.circuit_breaker import (
+    BreakerSettings,
+    BreakerState,
+    CircuitBreaker,
+    CircuitBreakers,
+    counts_against_worker,
+)
 from orchestrator.worker_client import WorkerError, WorkerTimeout
 
 SETTINGS = BreakerSettings(failure_threshold=3, failure_window_seconds=10.0, cooldown_seconds=5.0)

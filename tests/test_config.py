@@ -1,4 +1,4 @@
-"""kvroute.config: defaults < config file < KVROUTE_* environment < explicit flags, onto
+"""foundation.config: defaults < config file < KVROUTE_* environment < explicit flags, onto
 frozen settings dataclasses (the orchestrator's and ``kvroute serve``'s pool)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute import config
-from kvroute.config import ConfigError, setting
+from foundation import config
+from foundation.config import ConfigError, setting
 from kvroute.serve import PoolSettings
 from orchestrator.settings import OrchestratorSettings
 

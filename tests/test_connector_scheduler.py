@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvroute import wire
+from foundation import wire
 from transfer.connector_scheduler import PARAMS_KEY, ConnectorScheduler, prompt_digest
 from transfer.metadata import LeaseGrant, LoadSpec
 from transfer.settings import ConnectorSettings

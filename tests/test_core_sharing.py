@@ -8,8 +8,7 @@ import math
 
 import pytest
 
-from kvroute import wire
-from kvroute.worker.cores import bound_cores, core_binding, machine_id
+from foundation import wire
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionRecord
 from orchestrator.feedback import Feedback
@@ -20,6 +19,7 @@ from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.views import Estimate, Plan, PlanKind, RequestView, WorkerView
 from simulator.cpu import Cores, CpuSettings, core_bindings
+from worker.cores import bound_cores, core_binding, machine_id
 
 BLOCK = 16
 MODEL = CostModel()

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from orchestrator.planner import cost_model as cost
-from orchestrator.planner.calibration import (MEASUREMENT_MEMORY_SECONDS, Calibration, LinkCalibrator, PrefillCalibrator,
-                                             calibrated_model)
+from orchestrator.planner.calibration import (
+    MEASUREMENT_MEMORY_SECONDS,
+    Calibration,
+    LinkCalibrator,
+    PrefillCalibrator,
+    calibrated_model,
+)
 from orchestrator.planner.cost_model import CostModel, LinkEstimate, PrefillCoefficients
 from orchestrator.planner.views import WorkerView
 

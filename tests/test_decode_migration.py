@@ -27,11 +27,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute import wire
-from kvroute.bench.stack import Stack
-from kvroute.model_prep import default_cache_dir, resolve_model
+from foundation import wire
+from foundation.model_prep import default_cache_dir, resolve_model
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerClient
+from testing.stack import Stack
 from tests.cluster import assert_stops_leaving_nothing
 
 MODEL = "SmolLM2-135M-Instruct"

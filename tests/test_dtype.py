@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.worker.dtype import cpu_flags, resolve_dtype
+from worker.dtype import cpu_flags, resolve_dtype
 
 AVX2_ONLY = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

@@ -7,8 +7,8 @@ import asyncio
 
 import zmq
 
-from kvroute import identity, kv_events, wire
-from kvroute.netutil import async_context, free_port
+from foundation import identity, kv_events, wire
+from foundation.netutil import async_context, free_port
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from kvroute import wire
-from kvroute.identity import block_hashes
+from foundation import wire
+from foundation.identity import block_hashes
 from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import LoadLedger
@@ -16,7 +16,7 @@ from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.plans import held_blocks, reused_tokens
 from orchestrator.planner.views import RequestView, WorkerView
 from orchestrator.service import CompletionService
-from tests.test_index import BS, S, FakeEngine, tokens
+from tests.test_index import BS, FakeEngine, S, tokens
 
 CAP = 64  # tokens per prompt per step: 4 blocks of 16
 PROMPT = tokens(20, seed=5)

@@ -10,9 +10,9 @@ import time
 
 import zmq
 
-from kvroute import wire
-from kvroute.netutil import async_context, free_port, tcp
-from kvroute.worker.heartbeat import BEATS_QUEUED, HeartbeatSender
+from foundation import wire
+from foundation.netutil import async_context, free_port, tcp
+from worker.heartbeat import BEATS_QUEUED, HeartbeatSender
 
 
 def beat(now: float) -> wire.Heartbeat:

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvroute.bench.stack import SyntheticStack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
+from testing.stack import SyntheticStack
 
 MODEL = "SmolLM2-135M-Instruct"
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvroute.identity import SALT_PREFIX, Namespace, block_hashes, chain_seed, next_block_hash
+from foundation.identity import SALT_PREFIX, Namespace, block_hashes, chain_seed, next_block_hash
 
 BASE = Namespace(model_fingerprint="smollm2-135m@abc123", adapter="", tenant="acme", scope="default")
 

@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from kvroute import kv_events, wire
-from kvroute.identity import Namespace, block_hashes
-from kvroute.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvroute.worker.resident import ResidentBlocks
+from foundation import kv_events, wire
+from foundation.identity import Namespace, block_hashes
+from foundation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import snapshot_records
+from worker.resident import ResidentBlocks
 
 BS = 16
 MODEL = "smollm2-135m@abc123"

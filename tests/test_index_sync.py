@@ -16,15 +16,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute import wire
-from kvroute.identity import block_hashes
-from kvroute.kv_events import AllBlocksCleared, KVEventBatch, stored_blocks
-from kvroute.netutil import free_port, tcp
+from foundation import wire
+from foundation.identity import block_hashes
+from foundation.kv_events import AllBlocksCleared, KVEventBatch, stored_blocks
+from foundation.netutil import free_port, tcp
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import KV_EVENTS_TOPIC, IndexSync, WorkerIndexSync
 from orchestrator.registry import WorkerView
 from orchestrator.worker_client import WorkerError
-from tests.test_index import BS, OTHER_TENANT, S, FakeEngine, tokens
+from tests.test_index import BS, OTHER_TENANT, FakeEngine, S, tokens
 
 WORKER = "prefill-0"
 INCARNATION = "inc-1"

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from orchestrator.worker_client import WorkerClient
-from kvroute.bench.stack import Stack
+from testing.stack import Stack
 from tests.cluster import assert_stops_leaving_nothing
 
 MODEL = "SmolLM2-135M-Instruct"

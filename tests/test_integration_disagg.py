@@ -13,15 +13,23 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from kvroute import kv_events, wire
-from kvroute.model_prep import resolve_model
-from kvroute.worker.queued_prefill import QueuedPrompt
-from kvroute.worker.resident import ResidentBlocks
-from kvroute.worker.settings import default_long_prefill_tokens
+from foundation import kv_events, wire
+from foundation.model_prep import resolve_model
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
-from tests.cluster import (Clients, process_tree_cpu_cores, run_disaggregated, run_single, start_worker,
-                           wait_idle, wait_staged, START_TIMEOUT)
+from tests.cluster import (
+    START_TIMEOUT,
+    Clients,
+    process_tree_cpu_cores,
+    run_disaggregated,
+    run_single,
+    start_worker,
+    wait_idle,
+    wait_staged,
+)
+from worker.queued_prefill import QueuedPrompt
+from worker.resident import ResidentBlocks
+from worker.settings import default_long_prefill_tokens
 
 GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
 TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
@@ -61,7 +69,7 @@ async def clients(engines):
 
 async def test_each_worker_timed_a_prefill_at_start_up_and_indexed_none_of_its_blocks(engines):
     """First in this module, before any request: the probe that calibrates orchestrators
-    (kvroute.worker.prefill_probe) is reported, and snapshots, which orchestrators build
+    (worker.prefill_probe) is reported, and snapshots, which orchestrators build
     their indexes from, hold none of its blocks."""
     for worker in engines.values():
         probe = worker.info["prefill_probe"]
@@ -282,7 +290,7 @@ async def _collect_chunks(client: WorkerClient, request: wire.GenerateRequest) -
 
 
 async def test_queued_prefill_finds_the_prefix_the_engine_stored(clients, tokenizer):
-    """A worker's queue report (``kvroute.worker.queued_prefill``) matches prompts against
+    """A worker's queue report (``worker.queued_prefill``) matches prompts against
     the blocks its own engine reported stored: real vLLM events, with their parent chain
     and the cache salt on the first block."""
     prompt = chat_prompt(tokenizer, question(7))

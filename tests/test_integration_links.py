@@ -9,8 +9,15 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster import run_disaggregated, run_single, running_workers
-from tests.test_integration_disagg import (GREEDY_32, _assert_loaded_not_recomputed, chat_prompt, clients,  # noqa: F401
-                                           question, tokenizer, transfer_delta)
+from tests.test_integration_disagg import (  # noqa: F401
+    GREEDY_32,
+    _assert_loaded_not_recomputed,
+    chat_prompt,
+    clients,
+    question,
+    tokenizer,
+    transfer_delta,
+)
 
 LINK = "gloo"
 

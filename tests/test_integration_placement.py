@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvroute.model_prep import default_cache_dir, resolve_model
-from kvroute.bench.stack import Stack
+from foundation.model_prep import default_cache_dir, resolve_model
 from orchestrator.tokenization import TextCodec
+from testing.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 AUDIT_KEY = "sk-audit-Qx7Lm2Vz9Rt"  # distinctive, so that finding it in a log means it leaked

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute import wire
+from foundation import wire
+from foundation.launcher import stop_all
 from orchestrator.worker_client import WorkerClient
-from kvroute.launcher import stop_all
 from tests.cluster import START_TIMEOUT, Clients, run_disaggregated, run_single, start_worker, wait_idle
 
 GREEDY_4 = wire.SamplingSpec(max_tokens=4, temperature=0.0)

@@ -1,4 +1,4 @@
-"""Contract: what vLLM's own KV-event classes encode, kvroute.kv_events decodes.
+"""Contract: what vLLM's own KV-event classes encode, foundation.kv_events decodes.
 
 Batches are built with ``vllm.distributed.kv_events`` and encoded exactly as vLLM's
 publisher does (``msgspec.msgpack.Encoder().encode(batch)``); one test runs vLLM's real
@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvroute import kv_events
-from kvroute.kv_events import KVEventDecodeError, decode_batch, decode_frames, salt_of, stored_blocks
-from kvroute.netutil import free_port, tcp
+from foundation import kv_events
+from foundation.kv_events import KVEventDecodeError, decode_batch, decode_frames, salt_of, stored_blocks
+from foundation.netutil import free_port, tcp
 
 vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -277,8 +277,8 @@ def test_vllm_binds_only_wildcard_endpoints():
 def test_worker_kv_events_endpoint_is_one_vllm_binds():
     # With tcp://<host>:<port> vLLM would connect its PUB socket, nobody would bind the
     # port, and no subscriber (ResidentBlocks.follow, WorkerIndexSync) would see an event.
-    from kvroute.worker.engine import kv_events_config
-    from kvroute.worker.settings import WorkerSettings
+    from worker.engine import kv_events_config
+    from worker.settings import WorkerSettings
 
     settings = WorkerSettings(role="prefill", model="m", kv_events_port=free_port())
     endpoint = kv_events_config(settings).endpoint

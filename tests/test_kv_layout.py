@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvroute.wire import KVLayoutSpec
+from foundation.wire import KVLayoutSpec
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor, find_block_dim, widest_element
 
 NUM_LAYERS = 3

@@ -11,8 +11,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from foundation.netutil import free_port
 from kvroute.bench.lean_http import LeanConnection, LeanHTTPError
-from kvroute.netutil import free_port
 
 
 def app() -> FastAPI:

@@ -18,10 +18,11 @@ import time
 import pytest
 import zmq
 
-from kvroute import wire
+from foundation import wire
+from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
 from orchestrator.worker_client import WorkerClient
 from tests.cluster import START_TIMEOUT, collect, start_worker, wait_idle, wait_staged
-from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks, release_lease
+from transfer.block_client import pull_blocks
 
 LEASE_SECONDS = 3.0
 STAGING_GIB = 0.03  # five blocks of SmolLM2 in float32 (5.9 MB each)

@@ -13,7 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import measure_trace  # noqa: E402
-from kvroute.bench.trace import TraceRecord, TraceScaling  # noqa: E402
+
+from workloads.trace import TraceRecord, TraceScaling  # noqa: E402
 
 # Family 0 comes back twice (its second block shared, then a new tail), family 5 once.
 RECORDS = [TraceRecord(timestamp=0, input_length=1100, output_length=10, hash_ids=[0, 1, 2]),

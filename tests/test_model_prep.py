@@ -1,4 +1,4 @@
-"""Tests for kvroute.model_prep: GGUF -> bf16 Hugging Face folder, caching, verification."""
+"""Tests for foundation.model_prep: GGUF -> bf16 Hugging Face folder, caching, verification."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from kvroute import model_prep  # noqa: E402
-from kvroute.model_prep import (  # noqa: E402
+from foundation import model_prep  # noqa: E402
+from foundation.model_fingerprint import model_fingerprint  # noqa: E402
+from foundation.model_prep import (  # noqa: E402
     DEFAULT_MODEL_NAME,
     MANIFEST_NAME,
     ModelPreparationError,
-    model_fingerprint,
     prepare_model,
     resolve_model,
     verify_model,

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from kvroute import identity
-from kvroute.bench.oracle import (OracleRequest, lru_reuse, oracle_requests, reuse_bounds, trace_block_keys,
-                                  unlimited_reuse)
-from kvroute.bench.trace import BlockContent, TraceRequest, load_trace
+from foundation import identity
+from kvroute.bench.oracle import (
+    OracleRequest,
+    lru_reuse,
+    oracle_requests,
+    reuse_bounds,
+    trace_block_keys,
+    unlimited_reuse,
+)
+from workloads.trace import BlockContent, TraceRequest, load_trace
 
 BLOCK = 10
 SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvroute.launcher import LaunchedWorker, tail
-from kvroute.model_prep import resolve_model
-from kvroute.netutil import free_port
+from foundation.launcher import LaunchedWorker, tail
+from foundation.model_prep import resolve_model
+from foundation.netutil import free_port
 from tests.cluster import START_TIMEOUT, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from kvroute.bench.stack import running_synthetic_stack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
 from orchestrator.worker_client import WorkerClient
+from testing.stack import running_synthetic_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.identity import block_hashes
-from kvroute.kv_events import AllBlocksCleared, BlockRemoved
+from foundation.identity import block_hashes
+from foundation.kv_events import AllBlocksCleared, BlockRemoved
 from orchestrator.index import PrefixIndex
 from orchestrator.pending_blocks import PendingSettings
 from simulator import EngineConfig, SimCalibration, SimulationSettings, simulate

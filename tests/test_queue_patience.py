@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute import wire
+from foundation import wire
 from orchestrator.circuit_breaker import counts_against_worker
 from orchestrator.queue_patience import QUEUE_TIMEOUT_CODE, QueuePatience, QueueTimeout, working_through_queue
 from orchestrator.registry import WorkerView

@@ -1,5 +1,5 @@
 """A busy worker is waited for, a hung one is not: real processes (an orchestrator and
-synthetic-engine workers, see ``kvroute.worker.synthetic``) with a worker timeout of 1 s
+synthetic-engine workers, see ``testing.synthetic_worker``) with a worker timeout of 1 s
 and a circuit breaker that opens at the first failure. Each worker takes about 3 s to
 compute the prompt, in engine steps of 0.1 s, so every wait for a token times out at
 least twice: the request still completes, on the workers it was placed on, and nobody's
@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from kvroute.bench.stack import running_synthetic_stack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
+from testing.stack import running_synthetic_stack
 from tests.cluster import metric_at
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute import kv_events, wire
-from kvroute.worker.queued_prefill import QueuedPrompt, head_prompt_age, queued_prefill, tokens_to_compute
-from kvroute.worker.resident import PrefixProgress, ResidentBlocks
+from foundation import kv_events, wire
+from worker.queued_prefill import QueuedPrompt, head_prompt_age, queued_prefill, tokens_to_compute
+from worker.resident import PrefixProgress, ResidentBlocks
 
 BLOCK = 4
 SALT = "tenant-a"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvroute import config
-from kvroute.config import ConfigError
+from foundation import config
+from foundation.config import ConfigError
 from orchestrator.auth import ApiKeys
 from orchestrator.errors import APIError
 from orchestrator.rate_limit import RateLimit, TenantRateLimits, TokenBucket

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from kvroute.bench.stack import SyntheticStack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
+from testing.stack import SyntheticStack
 
 MODEL = "SmolLM2-135M-Instruct"
 RATE, BURST = 0.25, 2

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_page  # noqa: E402
+
 from tests.test_validate_simulator import simulated_repository_run, simulated_trace_run  # noqa: E402
 
 
@@ -114,9 +115,9 @@ def test_ratios_are_cache_aware_over_the_baselines(page):
 
 
 def test_scaling_keeps_the_load_per_worker():
-    from kvroute.bench.workloads import RepositoryAssistantConfig
     from simulator import SimCalibration
     from simulator.scaling import cold_prefill_seconds, scale_repository_assistant, trace_time_scale
+    from workloads import RepositoryAssistantConfig
 
     base = RepositoryAssistantConfig(repositories=12, requests=40, rate=0.2)
     scaled = scale_repository_assistant(base, 2, 500, 10_000)

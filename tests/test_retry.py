@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute import wire
+from foundation import wire
 from orchestrator.retry import RetryPolicy, with_retries
 from orchestrator.worker_client import WorkerClient, WorkerError, WorkerTimeout, retryable
 

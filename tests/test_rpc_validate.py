@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute import wire
-from kvroute.worker.queued_prefill import tokens_to_compute
-from kvroute.worker.rpc_server import error_code, validate
+from foundation import wire
+from worker.queued_prefill import tokens_to_compute
+from worker.rpc_server import error_code, validate
 
 
 def request(prompt=(1, 2, 3), **sampling) -> wire.GenerateRequest:

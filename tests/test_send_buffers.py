@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from kvroute.netutil import free_port, tcp
+from foundation.netutil import free_port, tcp
 from transfer.send_buffers import ZERO_COPY_MIN_BYTES, SendBufferPool, send_frame
 
 

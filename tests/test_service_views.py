@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvroute import wire
-from kvroute.kv_events import StoredBlockRecord
+from foundation import wire
+from foundation.kv_events import StoredBlockRecord
 from orchestrator.decisions import DecisionLog
 from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import LoadLedger

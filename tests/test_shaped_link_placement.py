@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 
+from foundation.model_prep import default_cache_dir
 from kvroute.bench.shaped_port import ShapedPort
-from kvroute.bench.stack import Stack
-from kvroute.model_prep import default_cache_dir
+from testing.stack import Stack
 from tests.cluster import assert_stops_leaving_nothing
 from tests.test_shaped_port import UNAVAILABLE
 

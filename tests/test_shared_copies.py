@@ -10,15 +10,24 @@ import time
 import pytest
 import torch
 
-from kvroute import wire
-from tests.test_transfer_contract import (BLOCK_SIZE, CONSUMER_BLOCKS, DTYPES, LAYOUTS, NUM_LAYERS, PRODUCER_BLOCKS,
-                                          Producer, block_bytes, make_cache)
+from foundation import wire
+from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
+from tests.test_transfer_contract import (
+    BLOCK_SIZE,
+    CONSUMER_BLOCKS,
+    DTYPES,
+    LAYOUTS,
+    NUM_LAYERS,
+    PRODUCER_BLOCKS,
+    Producer,
+    block_bytes,
+    make_cache,
+)
 from transfer import block_client
-from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks, release_lease
-from transfer.kv_layout import consecutive_runs, block_index_tensor
+from transfer.block_client import pull_blocks
+from transfer.kv_layout import block_index_tensor, consecutive_runs
 from transfer.leases import Lease, LeaseTable
-from transfer.shared_copies import (SharedCopy, SharedCopyUnavailable, local_host, read_shared_copy,
-                                    stage_shared)
+from transfer.shared_copies import SharedCopy, SharedCopyUnavailable, local_host, read_shared_copy, stage_shared
 
 pytestmark = pytest.mark.timeout(60)
 

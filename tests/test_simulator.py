@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 import simulator.events
-from kvroute import identity
-from kvroute.bench.trace import TraceScaling, load_trace
-from kvroute.bench.workloads import RepositoryAssistantConfig, generate_workload
+from foundation import identity
 from orchestrator.planner.candidates import load_key
 from orchestrator.planner.cost_model import DEFAULT_PREFILL, prefill_seconds_with
 from orchestrator.planner.policies import POLICIES
@@ -21,11 +19,13 @@ from orchestrator.planner.settings import PlannerSettings
 from simulator import EngineConfig, SimCalibration, SimulationSettings, simulate
 from simulator.block_pool import BlockPool, CapacityError
 from simulator.engine import Engine
-from simulator.sequence import EngineRequest, RequestState
 from simulator.events import EventQueue, TimeWentBackwards
 from simulator.loop import AdmissionSettings
 from simulator.records import FINISHED, REJECTED
 from simulator.requests import TokenRequest, replay_requests
+from simulator.sequence import EngineRequest, RequestState
+from workloads import RepositoryAssistantConfig, generate_workload
+from workloads.trace import TraceScaling, load_trace
 
 SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK = 16

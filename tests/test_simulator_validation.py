@@ -13,11 +13,9 @@ from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSetti
 from simulator.cpu import Cores
 from simulator.engine import Engine
 from simulator.fleet import ActiveStep, SimWorker
-from simulator.from_replay import (calibration_from_replay, cluster_from_replay, failed_pulls, fit_link,
-                                   nonnegative_line)
+from simulator.from_replay import calibration_from_replay, cluster_from_replay, failed_pulls, fit_link, nonnegative_line
 from simulator.records import FINISHED, REJECTED
 from simulator.requests import TokenRequest
-
 from tests.test_simulator import engine_request, tokens
 
 CALIBRATION = SimCalibration()
@@ -285,7 +283,7 @@ def test_the_cluster_and_its_core_binding_come_from_the_labels(replay):
 @pytest.fixture(scope="module")
 def trace():
     from tests.test_simulator import SYNTHETIC
-    from kvroute.bench.trace import TraceScaling, load_trace
+    from workloads.trace import TraceScaling, load_trace
     if not SYNTHETIC.exists():
         pytest.skip("shared/data not present")
     return load_trace(SYNTHETIC, TraceScaling(block_tokens=32, time_scale=0.01), limit=80)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvroute import wire
+from foundation import wire
 from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.cost_model import DEFAULT_PREFILL, prefill_seconds
 from orchestrator.registry import WorkerRegistry

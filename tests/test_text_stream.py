@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
 from orchestrator.tokenization import PromptError, TextCodec, TextStream
 
 

@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.bench.tokens import FIRST_ORDINARY_ID, pseudo_token_ids
-from kvroute.bench.trace import (BlockContent, TraceFormatError, TraceRecord, TraceScaling, load_trace,
-                                 parse_record, read_trace, sample_families, scale_trace)
+from workloads.tokens import FIRST_ORDINARY_ID, pseudo_token_ids
+from workloads.trace import (
+    BlockContent,
+    TraceFormatError,
+    TraceRecord,
+    TraceScaling,
+    load_trace,
+    parse_record,
+    read_trace,
+    sample_families,
+    scale_trace,
+)
 
 SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 

@@ -7,11 +7,24 @@ import json
 
 import pytest
 
-from kvroute.bench.transfer_calibration import estimates_report, link_key, load_link_estimates, observe_results, \
-    predicted_rows, transfer_observations
+from kvroute.bench.transfer_calibration import (
+    estimates_report,
+    link_key,
+    load_link_estimates,
+    observe_results,
+    predicted_rows,
+    transfer_observations,
+)
 from kvroute.bench.transfer_pair import summarise
-from kvroute.bench.transfer_sweep import KVBytes, crossover, crossovers, kv_bytes_from_config, lengths_within, \
-    prompt_lengths, result_rows
+from kvroute.bench.transfer_sweep import (
+    KVBytes,
+    crossover,
+    crossovers,
+    kv_bytes_from_config,
+    lengths_within,
+    prompt_lengths,
+    result_rows,
+)
 from orchestrator.planner.calibration import LinkCalibrator
 from orchestrator.planner.cost_model import LinkEstimate
 
@@ -130,7 +143,7 @@ def test_transfers_become_link_estimates_a_cost_model_loads():
 
 
 def test_cli_flags_map_onto_the_bench_settings():
-    from kvroute import config
+    from foundation import config
     from kvroute.bench.transfer_bench import TransferBenchSettings
     from kvroute.cli import build_parser
 

@@ -16,9 +16,10 @@ import pytest
 import torch
 import zmq
 
-from kvroute import wire
-from kvroute.netutil import free_port, tcp
-from transfer.block_client import PullFailed, fetch_transfer_stats, pull_blocks, release_lease
+from foundation import wire
+from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
+from foundation.netutil import free_port, tcp
+from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor

@@ -10,9 +10,18 @@ import time
 import pytest
 import torch
 
-from tests.test_transfer_contract import (CONSUMER_BLOCKS, DEADLINE_SECONDS, NUM_LAYERS, PARK_SECONDS, Producer,
-                                          assert_pulled, block_bytes, make_cache, stage)
-from transfer.block_client import PullFailed, fetch_transfer_stats
+from foundation.endpoint_client import PullFailed, fetch_transfer_stats
+from tests.test_transfer_contract import (
+    CONSUMER_BLOCKS,
+    DEADLINE_SECONDS,
+    NUM_LAYERS,
+    PARK_SECONDS,
+    Producer,
+    assert_pulled,
+    block_bytes,
+    make_cache,
+    stage,
+)
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.settings import ConnectorSettings

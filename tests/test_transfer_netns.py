@@ -14,8 +14,15 @@ import sys
 
 import pytest
 
-from kvroute.bench.transfer_netns import RECEIVER_ADDRESS, SENDER_ADDRESS, ShapedLink, burst_bytes, \
-    enter_namespace, rate_bits_per_second, shaping_available
+from kvroute.bench.transfer_netns import (
+    RECEIVER_ADDRESS,
+    SENDER_ADDRESS,
+    ShapedLink,
+    burst_bytes,
+    enter_namespace,
+    rate_bits_per_second,
+    shaping_available,
+)
 
 ECHO_SERVER = f"""
 import socket

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvroute.wire import KVLayoutSpec
+from foundation.wire import KVLayoutSpec
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.transports.control import ConnectionChannel
 from transfer.transports.errors import FrameMismatch, LinkClosed, TransportError, TransportTimeout

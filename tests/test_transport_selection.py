@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.wire import KVLayoutSpec, LinkHello
+from foundation.wire import KVLayoutSpec, LinkHello
 from transfer.kv_layout import LayoutMismatch, check_layouts, layout_differences
 from transfer.transports.errors import FrameMismatch, LinkRefused
 from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.header import TransferHeader
 from transfer.transports.links import LinkTable
-from transfer.transports.selection import choose_backend
 from transfer.transports.packing import message_groups
+from transfer.transports.selection import choose_backend
 
 LAYOUT = KVLayoutSpec(dtype="bfloat16", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
                       block_size=128, bytes_per_block=2 * 3 * 128 * 64 * 2 * 30)

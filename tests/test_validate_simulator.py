@@ -16,13 +16,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import validate_simulator  # noqa: E402
-from kvroute.bench.replay_results import ratios  # noqa: E402
-from kvroute.bench.trace import TraceScaling, read_trace  # noqa: E402
-from kvroute.bench.workloads import RepositoryAssistantConfig  # noqa: E402
 from measure_placement import engine_record, kv_cache_tokens  # noqa: E402
 from measure_trace import scaled_sample, shares_of_bounds, trace_bounds  # noqa: E402
+
+from kvroute.bench.replay_results import ratios  # noqa: E402
 from simulator import simulate  # noqa: E402
 from simulator.from_replay import calibration_from_replay, cluster_from_replay  # noqa: E402
+from workloads import RepositoryAssistantConfig  # noqa: E402
+from workloads.trace import TraceScaling, read_trace  # noqa: E402
 
 POLICIES = ("cache_aware", "round_robin")
 SCALING = TraceScaling(block_tokens=32, output_scale=1.0, max_context_tokens=4096)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvroute import wire
+from foundation import wire
 
 # ---------------------------------------------------------------- golden payloads
 #

@@ -1,6 +1,6 @@
 """The circuit breaker with real processes: an orchestrator and synthetic-engine workers
 (see tests/test_worker_faults.py). A decode worker made to fail every request (SIGUSR1,
-``kvroute.worker.synthetic``'s failure injection) stays registered and heartbeating; its
+``testing.synthetic_worker``'s failure injection) stays registered and heartbeating; its
 requests move to the other decode worker, its breaker opens after two failures and no
 more requests are placed on it; once healthy again and past the cool-down, a probe
 request succeeds on it and it is back in rotation."""
@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from kvroute.bench.stack import running_synthetic_stack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
+from testing.stack import running_synthetic_stack
 from tests.cluster import metric_at
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -4,7 +4,7 @@ In layers: the drain's phases with fakes (no socket, no process); the heartbeat 
 says "draining" at once, and the fleet that then plans around the worker; the real RPC
 server with the synthetic engine in this process (refusal, deadline); the launcher's
 order of signals; and, through the OpenAI API, real processes: an orchestrator and
-synthetic-engine workers (``kvroute.worker.synthetic``, tokens a pure function of the
+synthetic-engine workers (``testing.synthetic_worker``, tokens a pure function of the
 context), one of which is sent SIGTERM mid-stream.
 """
 
@@ -22,22 +22,22 @@ import openai
 import pytest
 import zmq
 
-from kvroute import wire
-from kvroute.bench.stack import running_synthetic_stack
-from kvroute.launcher import LaunchedWorker, spawn
-from kvroute.model_prep import resolve_model
-from kvroute.netutil import async_context, free_port
-from kvroute.worker.drain import Drain, StopSignals, serve_until_stopped
-from kvroute.worker.heartbeat import HeartbeatSender
-from kvroute.worker.rpc_server import DRAINING, RpcServer
-from kvroute.worker.synthetic import SyntheticEngine, SyntheticTiming, synthetic_next_token
+from foundation import wire
+from foundation.launcher import LaunchedWorker, spawn
+from foundation.model_prep import resolve_model
+from foundation.netutil import async_context, free_port
 from orchestrator.admin import describe_workers
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.metrics import Metrics
 from orchestrator.registry import WorkerRegistry
 from orchestrator.worker_client import WorkerClient, WorkerError
+from testing.stack import running_synthetic_stack
+from testing.synthetic_worker import SyntheticEngine, SyntheticTiming, synthetic_next_token
 from tests.cluster import metric_at
+from worker.drain import Drain, StopSignals, serve_until_stopped
+from worker.heartbeat import HeartbeatSender
+from worker.rpc_server import DRAINING, RpcServer
 
 
 def wait_until(condition, timeout: float) -> None:

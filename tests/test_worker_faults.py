@@ -1,5 +1,5 @@
 """Worker faults through the OpenAI API, with real processes: an orchestrator and workers
-whose engines are synthetic (``kvroute.worker.synthetic``: the real RPC server and
+whose engines are synthetic (``testing.synthetic_worker``: the real RPC server and
 heartbeats, tokens a pure function of the context, like greedy decoding), killed with
 SIGKILL mid-stream. Only the engine is synthetic; sockets, processes and the orchestrator
 are the real ones."""
@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kvroute.bench.stack import running_synthetic_stack
-from kvroute.model_prep import resolve_model
+from foundation.model_prep import resolve_model
+from testing.stack import running_synthetic_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 ROLES = ("prefill", "decode", "decode")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.worker.cli_args import add_worker_arguments, settings_from_args
-from kvroute.worker.engine import engine_args
-from kvroute.worker.settings import DECODE_LONG_PREFILL_TOKENS, PREFILL_LONG_PREFILL_TOKENS, WorkerSettings
+from worker.cli_args import add_worker_arguments, settings_from_args
+from worker.engine import engine_args
+from worker.settings import DECODE_LONG_PREFILL_TOKENS, PREFILL_LONG_PREFILL_TOKENS, WorkerSettings
 
 
 @pytest.mark.parametrize("role, explicit, expected", [
@@ -33,8 +33,8 @@ def parser(monkeypatch):
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
-    monkeypatch.setattr("kvroute.model_prep.resolve_model", lambda model: "/models/m")
-    monkeypatch.setattr("kvroute.worker.dtype.resolve_here", lambda dtype: "float32")
+    monkeypatch.setattr("foundation.model_prep.resolve_model", lambda model: "/models/m")
+    monkeypatch.setattr("worker.dtype.resolve_here", lambda dtype: "float32")
     return parser
 
 
@@ -48,7 +48,7 @@ def test_long_prefill_flag(parser):
 
 
 def test_transfer_link_flag_reaches_the_connector(parser):
-    from kvroute.worker.engine import kv_transfer_config
+    from worker.engine import kv_transfer_config
 
     settings = settings_of(parser, "decode", "--transfer-link", "gloo")
     assert settings.transfer_link == "gloo"
@@ -80,7 +80,7 @@ def test_probe_tokens_flag(parser):
     (16, True, 16),
 ])
 def test_block_size_default_depends_on_the_platform(requested, cuda, expected):
-    from kvroute.worker.block_size import resolve_block_size
+    from worker.block_size import resolve_block_size
 
     assert resolve_block_size(requested, cuda) == expected
 

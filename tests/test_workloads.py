@@ -7,8 +7,16 @@ from collections import Counter
 
 import pytest
 
-from kvroute.bench.workloads import (RepositoryAssistantConfig, WorkloadRequest, approx_tokens, generate_workload,
-                                     prefix_target_tokens, repository_prefix, repository_prefixes, zipf_weights)
+from workloads import (
+    RepositoryAssistantConfig,
+    WorkloadRequest,
+    approx_tokens,
+    generate_workload,
+    prefix_target_tokens,
+    repository_prefix,
+    repository_prefixes,
+    zipf_weights,
+)
 
 SMALL = RepositoryAssistantConfig(repositories=6, requests=60, rate=2.0, seed=7)
 

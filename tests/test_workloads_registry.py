@@ -8,8 +8,8 @@ import math
 import pytest
 
 from kvroute.bench.replay_sources import CHAT_ENDPOINT, WORKLOADS, WorkloadChoice, workload_items
-from kvroute.bench.workloads import GENERATORS, WorkloadRequest, generate_named, parse_options, workload_config
 from simulator.requests import replay_requests
+from workloads import GENERATORS, WorkloadRequest, generate_named, parse_options, workload_config
 
 # Small enough that every generator runs in well under a second on this machine.
 SMALL = {

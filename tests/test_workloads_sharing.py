@@ -6,14 +6,25 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from kvroute import identity
-from kvroute.bench.workloads import (BatchConfig, GeneratedSharedPrefixConfig, NoSharingConfig,
-                                     PrefixRepetitionConfig, RagConfig, SupportChatConfig, approx_tokens,
-                                     generate_batch, generate_no_sharing, generate_prefix_repetition, generate_rag,
-                                     generate_shared_prefix, generate_support_chat)
-from kvroute.bench.workloads.rag import passage, tenant_instructions
+from foundation import identity
 from simulator.requests import pseudo_chat_tokens
 from tests.test_workloads import shares_substring
+from workloads import (
+    BatchConfig,
+    GeneratedSharedPrefixConfig,
+    NoSharingConfig,
+    PrefixRepetitionConfig,
+    RagConfig,
+    SupportChatConfig,
+    approx_tokens,
+    generate_batch,
+    generate_no_sharing,
+    generate_prefix_repetition,
+    generate_rag,
+    generate_shared_prefix,
+    generate_support_chat,
+)
+from workloads.rag import passage, tenant_instructions
 
 SLACK = 2  # tokens a fitted text may fall short of its target
 BLOCK = 16  # the simulator's block size

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from kvroute import wire
+from foundation import wire
 from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor

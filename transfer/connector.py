@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 
 class KVRouteConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             dict(self._kv_transfer_config.kv_connector_extra_config))
@@ -54,7 +54,7 @@ class KVRouteConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- worker side
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
 
@@ -77,7 +77,7 @@ class KVRouteConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and finish before vLLM schedules the request."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any,
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """Producers serve blocks straight from the paged cache; nothing to save."""
 
@@ -108,7 +108,7 @@ class KVRouteConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 

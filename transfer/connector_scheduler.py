@@ -25,7 +25,7 @@ import math
 import secrets
 from typing import Any
 
-from kvroute import wire
+from foundation import wire
 from transfer.free_queue import demote
 from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
 from transfer.settings import ConnectorSettings

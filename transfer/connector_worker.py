@@ -18,11 +18,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import zmq
 
-from kvroute.wire import PullRecord
-from transfer.block_client import ChannelPool, PullFailed, pull_blocks, release_lease
+from foundation.endpoint_client import ChannelPool, PullFailed, release_lease
+from foundation.wire import PullRecord
 from transfer.affinity import pin_current_thread, transfer_context, transfer_cpus
+from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.idle_spin import shorten_idle_spin
@@ -31,9 +31,10 @@ from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
 from transfer.pull_records import PullRecords
-from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED, read_shared_copy, stage_shared
-from transfer.transports.links import LinkTable
 from transfer.settings import ConnectorSettings
+from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
+from transfer.shared_copies import read_shared_copy, stage_shared
+from transfer.transports.links import LinkTable
 
 logger = logging.getLogger("kvroute.transfer.worker")
 

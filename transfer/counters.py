@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvroute.wire import TransferCounters
+from foundation.wire import TransferCounters
 
 
 class Counters:

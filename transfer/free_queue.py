@@ -10,7 +10,8 @@ cached blocks to be evicted, but never before a block whose reuse costs nothing.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Queue entries ``demote`` looks at. A longer run of free blocks that cache nothing means
 # no cached block is evicted for at least that many allocations: try again later.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvroute.wire import KVLayoutSpec
+from foundation.wire import KVLayoutSpec
 
 
 class LayoutMismatch(ValueError):

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from kvroute import wire
-from transfer.block_client import ChannelPool, LayerSink, PullFailed, pull_exchange
+from foundation import wire
+from foundation.endpoint_client import ChannelPool, PullFailed
+from transfer.block_client import LayerSink, pull_exchange
 from transfer.kv_layout import LayoutMismatch
 from transfer.link_names import ENDPOINT, LINK_CHOICES
 from transfer.transports.base import Receiver

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvroute.wire import PullSource
+from foundation.wire import PullSource
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from kvroute.wire import PullRecord
+from foundation.wire import PullRecord
 
 CAPACITY = 1024  # far more than the requests in flight on one engine
 

@@ -45,7 +45,7 @@ class ConnectorSettings:
     evict_pulled_first: bool = True
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {f.name for f in fields(cls)}
         unknown = set(extra) - known
         if unknown:

@@ -36,7 +36,7 @@ import threading
 
 import torch
 
-from kvroute.wire import SharedCopyRef
+from foundation.wire import SharedCopyRef
 from transfer.kv_layout import PagedKVCache
 from transfer.transports.handshake import host_identity
 

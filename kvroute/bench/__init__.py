@@ -1,2 +1,2 @@
-"""Helpers for benchmarks and end-to-end tests: workloads, the serve subprocess, raw
-transport baselines. Not part of the serving path."""
+"""The one home of kvroute's measurements, behind ``kvroute bench <name>``. Not part of
+the serving path: product packages never import it (``make lint`` checks it)."""

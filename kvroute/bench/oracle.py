@@ -21,10 +21,10 @@ blocks only, not the room running requests need: both are bounds, not prediction
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
-from kvroute.bench.trace import TraceRequest
+from workloads.trace import TraceRequest
 
 BlockKey = Hashable
 

@@ -10,7 +10,7 @@
               DIR/hit_rate_over_time.png, and a table on the terminal
 
 The requests come from a named workload generator (``replay_sources.WORKLOADS``) or from
-a Mooncake JSONL trace, scaled as ``kvroute.bench.trace`` documents.
+a Mooncake JSONL trace, scaled as ``workloads.trace`` documents.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvroute import config
+from foundation import config
+from foundation.config import setting
 from kvroute.bench.replay import REQUEST_TIMEOUT_S, ReplayItem, ReplayTarget, Row, replay
 from kvroute.bench.replay_report import ms, summary_table
 from kvroute.bench.replay_results import ratios, row_dict, summarize
 from kvroute.bench.replay_server import ReplayError, ReplayServer
 from kvroute.bench.replay_sources import WORKLOADS, WorkloadChoice, trace_items, workload_items
-from kvroute.bench.trace import TraceFormatError, TraceScaling
-from kvroute.bench.workloads import parse_options, workload_config
-from kvroute.config import setting
+from workloads import parse_options, workload_config
+from workloads.trace import TraceFormatError, TraceScaling
 
 
 @dataclass(frozen=True)

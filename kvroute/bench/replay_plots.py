@@ -14,8 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvroute.bench.replay import Row  # noqa: E402
-from kvroute.bench.replay_series import (busy_intervals, concurrency, default_window_s, hit_rate_windows,  # noqa: E402
-                                         sample_times)
+from kvroute.bench.replay_series import busy_intervals, concurrency, default_window_s, hit_rate_windows, sample_times  # noqa: E402
 
 DPI = 120
 

@@ -20,7 +20,7 @@ Cache reset, per policy::
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 

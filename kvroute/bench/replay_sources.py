@@ -13,13 +13,13 @@ the generator's output but not sent as a distinct key.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kvroute.bench.replay import ReplayItem
-from kvroute.bench.trace import ScaledTrace, TraceRequest, TraceScaling, load_trace
-from kvroute.bench.workloads import GENERATORS, WorkloadRequest, generate_named, parse_options
+from workloads import GENERATORS, WorkloadRequest, generate_named, parse_options
+from workloads.trace import ScaledTrace, TraceRequest, TraceScaling, load_trace
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"

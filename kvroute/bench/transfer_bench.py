@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute import config
-from kvroute.config import setting
+from foundation import config
+from foundation.config import setting
 
 LOOPBACK_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo")
 SHAPED_BACKENDS = ("zmq-tcp", "gloo")  # tcp underneath: the only traffic tc shapes

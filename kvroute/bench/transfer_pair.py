@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foundation.wire import KVLayoutSpec
 from kvroute.bench import transfer_netns, transfer_raw, transfer_raw_dist
 from kvroute.bench.transfer_raw_push import RawPull, RawPush
-from kvroute.wire import KVLayoutSpec
 from transfer.transports.control import ConnectionChannel
 from transfer.transports.links import open_receiver, open_sender
 from transfer.transports.settings import TransportSettings

@@ -13,11 +13,15 @@ from rich.console import Console
 
 from kvroute.bench import transfer_calibration, transfer_report
 from kvroute.bench.transfer_bench import LOOPBACK_BACKENDS, SHAPED_BACKENDS, TransferBenchSettings, describe_run
-from kvroute.bench.transfer_netns import RECEIVER_ADDRESS, SENDER_ADDRESS, ShapedLink, rate_bits_per_second, \
-    shaping_available
+from kvroute.bench.transfer_netns import (
+    RECEIVER_ADDRESS,
+    SENDER_ADDRESS,
+    ShapedLink,
+    rate_bits_per_second,
+    shaping_available,
+)
 from kvroute.bench.transfer_pair import PairEnd, PairPlan, run_pair
-from kvroute.bench.transfer_sweep import KVBytes, crossovers, lengths_within, prompt_lengths, result_rows, \
-    sort_rows
+from kvroute.bench.transfer_sweep import KVBytes, crossovers, lengths_within, prompt_lengths, result_rows, sort_rows
 from orchestrator.planner.calibration import LinkCalibrator
 
 LOOPBACK = "loopback"
@@ -47,8 +51,8 @@ class Phases:
     # ---------------------------------------------------------------- engine
 
     def measure_engine(self) -> None:
-        from kvroute.model_prep import resolve_model
-        from kvroute.worker.dtype import resolve_here
+        from foundation.model_prep import resolve_model
+        from worker.dtype import resolve_here
 
         model = resolve_model(self.settings.model or None)
         dtype = resolve_here(self.settings.dtype)

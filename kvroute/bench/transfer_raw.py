@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvroute.wire import KVLayoutSpec
+from foundation.wire import KVLayoutSpec
 from transfer.transports.zmq_backend import remove_ipc_socket_file
 
 _ZERO_COPY_MIN_BYTES = 64 * 1024  # same threshold as transfer.send_buffers
@@ -113,7 +113,7 @@ class RawSender:
             self.process.terminate()
             self.process.join(5)
 
-    def __enter__(self) -> "RawSender":
+    def __enter__(self) -> RawSender:
         return self
 
     def __exit__(self, *exc) -> None:

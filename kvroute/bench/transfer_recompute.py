@@ -1,6 +1,6 @@
 """Recompute time on the real engine: one kvroute worker (a vLLM engine) prefilling prompts.
 
-The worker is started as every kvroute benchmark starts one (``kvroute.launcher``) and
+The worker is started as every kvroute benchmark starts one (``foundation.launcher``) and
 stopped at the end, also on errors. Recompute seconds of a prompt are its time to first
 token with ``max_tokens=1``: the prefill a decode worker would run instead of pulling
 the prompt's KV. Every request carries a fresh cache salt and fresh random token ids,
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import zmq
 
-from kvroute import wire
+from foundation import wire
+from foundation.endpoint_client import fetch_transfer_stats
+from foundation.launcher import LaunchedWorker, launch_worker
 from kvroute.bench.transfer_sweep import KVBytes, kv_bytes_from_config
-from kvroute.launcher import LaunchedWorker, launch_worker
 from orchestrator.worker_client import WorkerClient
-from transfer.block_client import fetch_transfer_stats
 
 REQUEST_TIMEOUT = 600.0
 _FIRST_TOKEN_ID = 1000  # above the special and byte tokens, which are all a vocabulary's first ids
@@ -57,7 +57,7 @@ class RecomputeEngine:
         self.worker: LaunchedWorker = launch_worker("decode", args, log_dir)
         self.start_timeout = start_timeout
 
-    def __enter__(self) -> "RecomputeEngine":
+    def __enter__(self) -> RecomputeEngine:
         try:
             self.worker.wait_ready(self.start_timeout)
         except BaseException:

@@ -9,13 +9,19 @@ reason, but still chosen (the engine queues it); only an empty pool yields no pl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from orchestrator.planner.candidates import load_key, match_key
 from orchestrator.planner.cost_model import CostModel, active_requests
-from orchestrator.planner.plans import (decode_problem_for, describe, disagg_plan, held_blocks,
-                                        prefill_worker_problem, prompt_blocks)
+from orchestrator.planner.plans import (
+    decode_problem_for,
+    describe,
+    disagg_plan,
+    held_blocks,
+    prefill_worker_problem,
+    prompt_blocks,
+)
 from orchestrator.planner.settings import PlannerSettings
 from orchestrator.planner.views import Decision, RequestView, WorkerView
 

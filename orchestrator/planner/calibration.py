@@ -7,15 +7,22 @@ calls ``observe``; planners only ever see the frozen ``CostModel`` that
 
 from __future__ import annotations
 
-from collections import deque
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass, replace
 
 import numpy as np
 
-from orchestrator.planner.cost_model import (DEFAULT_LINK, DEFAULT_PREFILL, CostModel, LinkEstimate,
-                                             PrefillCoefficients, prefill_seconds_with, transfer_seconds)
+from orchestrator.planner.cost_model import (
+    DEFAULT_LINK,
+    DEFAULT_PREFILL,
+    CostModel,
+    LinkEstimate,
+    PrefillCoefficients,
+    prefill_seconds_with,
+    transfer_seconds,
+)
 
 DEFAULT_WINDOW = 256  # recent prefills per class: enough to average noise, short enough to follow drift
 DEFAULT_MIN_POINTS = 8  # three coefficients; a margin over three so one outlier cannot set them

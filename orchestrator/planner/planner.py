@@ -24,8 +24,15 @@ from __future__ import annotations
 
 from orchestrator.planner.candidates import load_key, prune
 from orchestrator.planner.cost_model import CostModel
-from orchestrator.planner.plans import (decode_problem_for, describe, disagg_plan, held_blocks, local_plan,
-                                        prefill_worker_problem, prompt_blocks)
+from orchestrator.planner.plans import (
+    decode_problem_for,
+    describe,
+    disagg_plan,
+    held_blocks,
+    local_plan,
+    prefill_worker_problem,
+    prompt_blocks,
+)
 from orchestrator.planner.settings import PlannerSettings
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 

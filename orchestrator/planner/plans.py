@@ -15,7 +15,7 @@ estimates computed the same way and can be compared side by side.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from orchestrator.planner import cost_model as cost
 from orchestrator.planner.cost_model import CostModel

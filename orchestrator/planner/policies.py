@@ -6,7 +6,8 @@ round_robin holds a turn counter, the others hold only their settings.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from orchestrator.planner.aggregated import LocalOnly
 from orchestrator.planner.baselines import BlockCost, LeastLoaded, PrefixAffinity, RoundRobin

@@ -36,7 +36,7 @@ class WorkerView:
     resident_blocks: int = 0  # blocks of any prompt resident on the worker (the index's count)
     # Busy engines bound to one of this worker's CPU cores (``orchestrator.core_sharing``):
     # while they compute, this one computes slower.
-    core_neighbours: tuple["WorkerView", ...] = ()
+    core_neighbours: tuple[WorkerView, ...] = ()
     # Tokens each queued prompt still has to compute (None: the worker reports only the
     # total), and the most tokens its engine gives one prompt a step (0: prompts take
     # whole steps in turn). With both, the queue is priced as the engine shares it.

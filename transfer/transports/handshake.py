@@ -9,7 +9,7 @@
       ── LinkSetup(backend, address) ─────────▶ join(address)
 
 The layout check happens on both ends, so neither side ever moves a byte between
-caches that would read it differently. The messages are ``kvroute.wire`` types, so
+caches that would read it differently. The messages are ``foundation.wire`` types, so
 their encoding is pinned by the same golden payloads as every other message.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import socket
 
-from kvroute import wire
-from kvroute.wire import LinkHello, LinkSetup
+from foundation import wire
+from foundation.wire import LinkHello, LinkSetup
 from transfer.kv_layout import check_layouts
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused

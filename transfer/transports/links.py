@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 import torch
 import zmq
 
-from kvroute.wire import KVLayoutSpec, LinkHello, LinkSetup
+from foundation.wire import KVLayoutSpec, LinkHello, LinkSetup
 from transfer.transports.base import Receiver, Sender
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvroute.wire import LinkHello
+from foundation.wire import LinkHello
 from transfer.transports import distributed, fake, zmq_backend
 from transfer.transports.base import Backend
 from transfer.transports.errors import LinkRefused

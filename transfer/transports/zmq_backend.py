@@ -25,7 +25,6 @@ from transfer.transports.errors import FrameMismatch, TransportError, TransportT
 from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
 
-
 T = TypeVar("T")
 
 

@@ -1,0 +1,451 @@
+"""Every message kvroute processes exchange, as typed msgspec structs.
+
+One module, one decoder: the orchestrator, the workers and the connector halves that
+live inside vLLM's processes all import these types. Structs are tagged (field
+``type``) and encoded as msgpack.
+
+Compatibility rule: append fields with defaults, never reorder or remove. Golden
+payloads in ``tests/test_wire.py`` pin the encoding.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class WireError(ValueError):
+    """A frame that does not decode into a known message."""
+
+
+class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class SamplingSpec(msgspec.Struct, forbid_unknown_fields=False):
+    """The subset of vLLM's SamplingParams kvroute forwards to an engine."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None
+
+
+class PullSource(msgspec.Struct, forbid_unknown_fields=False):
+    """Where a consumer pulls a prefilled prompt's blocks from.
+
+    ``handle`` names a lease on the producer; it carries at least 128 random bits
+    because KV blocks are tenant data and the handle is the only credential.
+    """
+
+    handle: str
+    address: str
+    num_tokens: int
+    block_size: int
+    # Digest of the producer's prompt tokens and cache salt: a consumer whose prompt
+    # does not start with the same tokens, or whose namespace differs, never pulls.
+    prompt_digest: str = ""
+
+
+class WorkerLoad(msgspec.Struct, forbid_unknown_fields=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_prefill_tokens: int = 0  # prompt tokens still to compute, of requests with no output yet
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    block_size: int = 0
+    bytes_per_block: int = 0
+    # The same tokens per request id, so an orchestrator can tell its own requests from
+    # others' and drop those it saw prefilled since (None: a worker that does not say).
+    queued_prefill: dict[str, int] | None = None
+    # Most prompt tokens the engine computes for one request in a step while others wait
+    # (0: a prompt may take whole steps, so queued prompts are served in turn).
+    prompt_step_cap: int = 0
+    # Seconds the oldest queued prompt has computed since its listed tokens last changed:
+    # a prompt alone takes whole engine steps, and its progress inside one shows nowhere else.
+    head_prompt_age: float = 0.0
+
+
+class KVLayoutSpec(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """The physical shape of one engine's paged KV cache, exchanged at first contact.
+
+    ``block_shape`` is one layer's shape with the block dimension removed;
+    ``block_dim`` is where that dimension sits. Two engines may exchange blocks only
+    when their specs are equal.
+    """
+
+    dtype: str
+    num_layers: int
+    block_dim: int
+    block_shape: list[int]
+    block_size: int
+    bytes_per_block: int
+
+
+# ---------------------------------------------------------------- worker RPC
+
+
+class GenerateRequest(_Message, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    cache_salt: str | None = None
+    # Producer role: keep the prompt's blocks under a lease and return a PullSource.
+    hold_blocks: bool = False
+    # Consumer role: pull the blocks this worker lacks from here.
+    pull_from: PullSource | None = None
+
+
+class AbortRequest(_Message, tag="abort"):
+    request_id: str
+
+
+class StatsRequest(_Message, tag="stats"):
+    request_id: str = ""
+
+
+class TokenLogprobs(msgspec.Struct, forbid_unknown_fields=False):
+    """Top log-probabilities at one generated position, best first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class PullRecord(msgspec.Struct, forbid_unknown_fields=False):
+    """One finished pull on a consumer: what crossed the wire and how long it took."""
+
+    request_id: str  # vLLM's internal id: kvroute's request id plus a suffix
+    source: str
+    num_bytes: int
+    seconds: float
+    ok: bool
+
+
+class GenerateChunk(_Message, tag="chunk"):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    pull_source: PullSource | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # Consumer, first chunk only: the pull that brought this request's prompt blocks.
+    transfer: PullRecord | None = None
+
+
+class ErrorReply(_Message, tag="error"):
+    request_id: str | None
+    code: str
+    message: str
+
+
+class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
+    """Byte and block counters of one engine's connector, since process start."""
+
+    bytes_sent: int = 0
+    blocks_sent: int = 0
+    bytes_received: int = 0
+    blocks_received: int = 0
+    pulls_ok: int = 0
+    pulls_failed: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    active_leases: int = 0
+    active_pulls: int = 0
+    leases_staged: int = 0  # leases copied to host buffers, so the engine freed their blocks
+    staged_bytes: int = 0  # host bytes held (or being copied) for staged leases now
+    links_opened: int = 0  # transport links this end accepted (producer) or opened (consumer)
+    shared_pulls: int = 0  # pulls served (producer) or read (consumer) from a shared-memory copy
+
+
+class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
+    """vLLM's own accounting of where prompt tokens came from."""
+
+    computed: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+
+
+class WorkerStats(_Message, tag="worker_stats"):
+    worker_id: str
+    role: str
+    incarnation: str
+    load: WorkerLoad
+    transfer: TransferCounters
+    prompt_tokens: PromptTokenCounters
+    num_active_requests: int = 0
+    request_id: str = ""
+    transfer_fresh: bool = True  # False: the transfer endpoint was slow; counters are the last seen
+
+
+ROLES = ("prefill", "decode")  # a worker's role, as heartbeats and settings spell it
+
+
+class PrefillProbe(msgspec.Struct, forbid_unknown_fields=False):
+    """One cold prefill a worker timed at start-up (``worker.prefill_probe``)."""
+
+    new_tokens: int
+    seconds: float
+
+
+class CoreBinding(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """The CPU cores an engine's compute threads are bound to (``worker.cores``).
+
+    Engines on one ``machine`` (one kernel, so one numbering of cores) whose ``cores``
+    overlap take turns on those cores: each computes slower while the other is busy."""
+
+    machine: str
+    cores: tuple[int, ...]
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    worker_id: str
+    role: str
+    incarnation: str
+    rpc_address: str
+    load: WorkerLoad
+    sent_at: float
+    kv_events_address: str = ""
+    model_fingerprint: str = ""
+    # Told to stop: finishing the requests it has, refusing new ones (worker.drain).
+    draining: bool = False
+    # Where its connector serves KV blocks (operators' view; pulls name it in each PullSource).
+    transfer_address: str = ""
+    # Its start-up prefill timing: calibrates the cost model before its first request.
+    prefill_probe: PrefillProbe | None = None
+    # The cores its engine computes on; None: not bound to particular cores (or unknown).
+    cores: CoreBinding | None = None
+
+
+class SnapshotRequest(_Message, tag="snapshot"):
+    """Ask a worker for its resident prefix-cache blocks (to build or resync an index)."""
+
+    request_id: str = ""
+
+
+class ResidentBlock(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    """One block in an engine's prefix cache, under vLLM's own (engine) hashes."""
+
+    engine_hash: bytes | int
+    parent: bytes | int | None
+    token_ids: list[int]
+    extra_keys: list | None = None
+
+
+class KVSnapshot(_Message, tag="kv_snapshot"):
+    """Resident blocks as of KV-event sequence number ``seq`` (-1: before any event)."""
+
+    request_id: str
+    incarnation: str
+    seq: int
+    block_size: int
+    blocks: list[ResidentBlock]
+
+
+class ResetCacheRequest(_Message, tag="reset_cache"):
+    """Release every lease this worker holds, then empty its engine's prefix cache."""
+
+    request_id: str = ""
+
+
+class ResetCacheReply(_Message, tag="reset_cache_reply"):
+    request_id: str
+    reset: bool
+    released_leases: int = 0
+
+
+class RegisterReply(_Message, tag="register_reply"):
+    """The orchestrator's answer to a heartbeat: is this worker in rotation?"""
+
+    accepted: bool
+    reason: str = ""
+    orchestrator_id: str = ""
+
+
+# ---------------------------------------------------------------- transfer plane
+
+
+class PullBlocks(_Message, tag="pull"):
+    handle: str
+    block_indices: list[int]
+    layout: KVLayoutSpec
+    # The consumer's shared-memory host (``transfer.shared_copies.local_host``); a producer
+    # on the same host may answer with a SharedCopyRef instead of frames. Empty: frames only.
+    host: str = ""
+
+
+class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """Where a staged lease's copy lies in the producer's memory (``transfer.shared_copies``):
+    an anonymous file, open as ``fd`` in process ``pid``, whose link names ``name``; every
+    layer's ``num_blocks`` blocks in wire format, one layer after another."""
+
+    pid: int
+    fd: int
+    name: str
+    num_blocks: int
+
+
+class PullHeader(_Message, tag="pull_header"):
+    """Answer to PullBlocks; when ``ok``, ``num_layers`` data messages follow, unless
+    ``shared_copy`` is set: then the consumer reads the blocks from it and nothing follows."""
+
+    ok: bool
+    error: str = ""
+    num_blocks: int = 0
+    num_layers: int = 0
+    shared_copy: SharedCopyRef | None = None
+
+
+class ReleaseLease(_Message, tag="release"):
+    handle: str
+    reason: str = "ack"
+
+
+class ReleaseReply(_Message, tag="release_reply"):
+    released: bool
+    count: int = 0
+
+
+class ReleaseAllLeases(_Message, tag="release_all"):
+    """Operator action: end every lease on this endpoint (e.g. before a cache reset)."""
+
+    reason: str = "reset"
+
+
+class TransferStatsRequest(_Message, tag="transfer_stats"):
+    pass
+
+
+class PullRecordsRequest(_Message, tag="pull_records"):
+    request_id: str  # kvroute's id; matches vLLM's suffixed internal ids
+
+
+class PullRecordsReply(_Message, tag="pull_records_reply"):
+    records: list[PullRecord]
+
+
+class TransferStatsReply(_Message, tag="transfer_stats_reply"):
+    counters: TransferCounters
+    layout: KVLayoutSpec | None = None
+
+
+class LinkHello(_Message, tag="link_hello"):
+    """First contact on a transport link: what each end is (see ``transfer.transports.handshake``)."""
+
+    role: str  # "sender" or "receiver"
+    layout: KVLayoutSpec
+    device: str  # "cpu" or "cuda": where this end's frames live
+    host_id: str  # equal on two ends that can share an ipc socket
+    backends: list[str]  # the backends this end can run
+    requested: str = "auto"  # this end's override, if any
+
+
+class LinkSetup(_Message, tag="link_setup"):
+    """The sender's answer once both hellos agree: which backend, and where to join it."""
+
+    backend: str
+    address: str = ""
+    error: str = ""  # set when the sender could not host; the receiver fails at once
+
+
+class OpenLink(_Message, tag="open_link"):
+    """A consumer opens a transport link to a producer's transfer endpoint: ``payload`` is
+    its first-contact message (an encoded ``LinkHello``); the producer answers on the same
+    connection with its own hello and a ``LinkSetup`` (``transfer.link_control``)."""
+
+    link_id: str
+    payload: bytes
+
+
+class PullOverLink(_Message, tag="pull_link"):
+    """``PullBlocks`` whose layers travel over the consumer's open link ``link_id``
+    instead of this connection; the header still comes back here. ``transfer_id`` numbers
+    the link's transfers, so both ends agree which one the frames belong to."""
+
+    handle: str
+    block_indices: list[int]
+    layout: KVLayoutSpec
+    link_id: str
+    transfer_id: int
+
+
+Message = Union[
+    GenerateRequest,
+    AbortRequest,
+    StatsRequest,
+    GenerateChunk,
+    ErrorReply,
+    WorkerStats,
+    Heartbeat,
+    RegisterReply,
+    SnapshotRequest,
+    KVSnapshot,
+    ResetCacheRequest,
+    ResetCacheReply,
+    ReleaseAllLeases,
+    PullBlocks,
+    PullHeader,
+    ReleaseLease,
+    ReleaseReply,
+    TransferStatsRequest,
+    TransferStatsReply,
+    PullRecordsRequest,
+    PullRecordsReply,
+    LinkHello,
+    LinkSetup,
+    OpenLink,
+    PullOverLink,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+# msgspec reports invalid UTF-8 in a string as UnicodeDecodeError and deep nesting
+# (even inside an ignored unknown field) as RecursionError, not as DecodeError.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+
+def encode(message: _Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """Decode one frame; anything malformed or unknown raises WireError."""
+    try:
+        return _decoder.decode(frame)
+    except _DECODE_ERRORS as error:
+        raise WireError(f"malformed message: {error}") from error
+
+
+class _RequestIdOnly(msgspec.Struct, forbid_unknown_fields=False):
+    request_id: str | None = None
+
+
+def peek_request_id(frame: bytes | memoryview) -> str | None:
+    """Best-effort request id of a frame that failed to decode, so the error can be routed."""
+    try:
+        return msgspec.msgpack.decode(frame, type=_RequestIdOnly).request_id
+    except _DECODE_ERRORS:
+        return None
+
+
+def to_dict(struct: msgspec.Struct) -> dict:
+    """A struct as plain builtins, e.g. to travel inside vLLM's kv_transfer_params."""
+    return msgspec.to_builtins(struct)
+
+
+def from_dict(data: dict, kind: type[msgspec.Struct]):
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as error:
+        raise WireError(f"malformed {kind.__name__}: {error}") from error

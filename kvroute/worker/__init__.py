@@ -1,1 +1,0 @@
-"""The process that hosts one vLLM engine for kvroute (prefill or decode role)."""

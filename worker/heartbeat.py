@@ -1,0 +1,109 @@
+"""Registration and heartbeats: the worker's identity and load, pushed to every orchestrator.
+
+Each orchestrator replica gets its own DEALER connection, so replicas need no shared
+store. The first reply (and every change of verdict, or of the orchestrator answering,
+as after its restart) is logged: a refusal names its reason, e.g. a model fingerprint
+that differs from the orchestrator's. A beat for an orchestrator that is down is
+dropped, never queued: a waiting send would hold back the beats to every other replica,
+and a restarted orchestrator needs the worker's current load, not a backlog of old ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from foundation import wire
+from foundation.netutil import async_context
+
+logger = logging.getLogger("kvroute.worker.heartbeat")
+BEATS_QUEUED = 4  # per orchestrator, while it is not connected; later beats are dropped
+
+
+def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: float,
+                 draining: bool = False, prefill_probe: wire.PrefillProbe | None = None,
+                 cores: wire.CoreBinding | None = None) -> wire.Heartbeat:
+    """A worker's heartbeat: its identity and addresses from ``settings``, its load,
+    whether it is draining (then orchestrators plan nothing new onto it), its start-up
+    prefill timing and the cores its engine computes on."""
+    return wire.Heartbeat(worker_id=settings.worker_id, role=settings.role, incarnation=settings.incarnation,
+                          rpc_address=settings.rpc_address, load=load, sent_at=now,
+                          kv_events_address=settings.kv_events_address, model_fingerprint=model_fingerprint,
+                          transfer_address=settings.transfer_address, draining=draining,
+                          prefill_probe=prefill_probe, cores=cores)
+
+
+class HeartbeatSender:
+    """One socket per orchestrator; owned by the task running ``run``."""
+
+    def __init__(self, orchestrators: tuple[str, ...], make: Callable[[float], wire.Heartbeat]):
+        self._make = make
+        self._due = asyncio.Event()  # set by ``send_now``: beat before the interval is up
+        self._sockets = {}
+        self._verdicts: dict[str, bool | None] = {}
+        self._answered_by: dict[str, str] = {}  # address → id of the orchestrator that last replied
+        self._unreachable: set[str] = set()
+        for address in orchestrators:
+            socket = async_context().socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, BEATS_QUEUED)
+            socket.connect(address)
+            self._sockets[address] = socket
+            self._verdicts[address] = None
+
+    async def run(self, interval_seconds: float) -> None:
+        try:
+            while True:
+                payload = wire.encode(self._make(time.time()))
+                for address, socket in self._sockets.items():
+                    await self._send(address, socket, payload)
+                    await self._read_replies(address, socket)
+                await self._pause(interval_seconds)
+        finally:
+            for socket in self._sockets.values():
+                socket.close(linger=0)
+
+    def send_now(self) -> None:
+        """Beat at once, e.g. to say the worker is draining before more requests reach it."""
+        self._due.set()
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._due.wait()
+        self._due.clear()
+
+    async def _send(self, address: str, socket, payload: bytes) -> None:
+        try:
+            await socket.send(payload, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if address not in self._unreachable:
+                self._unreachable.add(address)
+                self._verdicts[address] = None  # log the registration again once it answers
+                logger.warning("orchestrator %s takes no heartbeats (down or unreachable); dropping them "
+                               "until it does", address)
+
+    async def _read_replies(self, address: str, socket) -> None:
+        while await socket.poll(0):
+            try:
+                reply = wire.decode(await socket.recv())
+            except wire.WireError:
+                continue
+            if isinstance(reply, wire.RegisterReply):
+                self._note(address, reply)
+
+    def _note(self, address: str, reply: wire.RegisterReply) -> None:
+        self._unreachable.discard(address)
+        if self._verdicts[address] == reply.accepted and self._answered_by.get(address) == reply.orchestrator_id:
+            return
+        self._verdicts[address] = reply.accepted
+        self._answered_by[address] = reply.orchestrator_id
+        if reply.accepted:
+            logger.info("registered with orchestrator %s (%s)", address, reply.orchestrator_id or "id unknown")
+        else:
+            logger.error("orchestrator %s refused this worker: %s", address, reply.reason)

@@ -1,0 +1,124 @@
+"""Settings of one worker process: typed, validated, frozen."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field, replace
+
+from foundation.netutil import free_port, tcp
+from foundation.wire import ROLES
+from transfer.affinity import parse_cpus
+from transfer.link_names import ENDPOINT, check_transfer_link
+
+DECODE_LONG_PREFILL_TOKENS = 256
+PREFILL_LONG_PREFILL_TOKENS = 256
+
+
+def default_long_prefill_tokens(role: str) -> int:
+    """The per-request step cap a worker of ``role`` gives its engine unless told otherwise
+    (see ``WorkerSettings.long_prefill_step_tokens``)."""
+    return DECODE_LONG_PREFILL_TOKENS if role == "decode" else PREFILL_LONG_PREFILL_TOKENS
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    model: str
+    worker_id: str = ""
+    dtype: str = "auto"  # see worker.dtype
+    kv_cache_gib: float = 0.5  # 8192 tokens of SmolLM2 in float32
+    block_size: int | None = None  # None: 32 on CPU, the engine's default on GPU (worker.block_size)
+    max_model_len: int = 8192
+    host: str = "127.0.0.1"  # address other processes use to reach this worker
+    bind_host: str = "127.0.0.1"
+    rpc_port: int = 0  # 0: pick a free port at start
+    kv_events_port: int = 0
+    transfer_port: int = 0
+    orchestrators: tuple[str, ...] = ()  # registration/heartbeat endpoints to report to
+    heartbeat_seconds: float = 1.0
+    lease_seconds: float = 30.0
+    lease_staging_gib: float = 1.0  # host copies of leased blocks; 0: hold them in the engine
+    pull_timeout_seconds: float = 10.0
+    # SIGTERM drains the worker (worker.drain): the longest it then waits for its
+    # requests and leases to end before it stops anyway.
+    drain_seconds: float = 30.0
+    enforce_eager: bool = True
+    seed: int = 0
+    # Most prompt tokens one request may compute per engine step while others wait; None:
+    # the role's default (see ``long_prefill_step_tokens``), 0: no cap.
+    long_prefill_tokens: int | None = None
+    # Most prompt tokens one engine step computes over all requests; None: vLLM's default
+    # (2,048). Smaller steps bound how long every running request waits for its next token.
+    step_tokens: int | None = None
+    # Tokens of the timed prefill at start-up that calibrates orchestrators' cost models
+    # (worker.prefill_probe); 0: none.
+    probe_tokens: int = 128
+    omp_threads_bind: str | None = None
+    transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
+    transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
+    # Leases staged in shared memory, read in place by consumers on this host (transfer.shared_copies).
+    shared_copies: bool = True
+    # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
+    evict_pulled_first: bool = True
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must not be negative")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError("step_tokens must be positive")
+        if not 0 <= self.probe_tokens < self.max_model_len:
+            raise ValueError(f"probe_tokens must be in 0..{self.max_model_len - 1} (below max_model_len)")
+        if self.lease_staging_gib < 0:
+            raise ValueError("lease_staging_gib must not be negative")
+        if self.drain_seconds < 0:
+            raise ValueError("drain_seconds must not be negative")
+        parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
+        check_transfer_link(self.transfer_link)
+
+    @property
+    def long_prefill_step_tokens(self) -> int:
+        """Every worker caps one prompt's share of a step while other requests run or wait
+        (vLLM lets a prompt alone take the whole budget). On a decode worker a recompute or
+        LOCAL prefill that took whole steps would hold every arriving request's KV pull
+        (which starts, and is reported done, only at a step boundary) and every running
+        stream's next token for seconds on CPU, and held pulls let producers' leases
+        expire. On a prefill worker, a cache hit waiting beside a cold prompt would otherwise
+        share one step with all of it: measured on one CPU core (SmolLM2-135M, float32), a
+        58-token hit queued with a 1,300-token cold prompt got its first token after
+        7.1 s uncapped and 4.4 s capped at 256, while a cold prompt alone took 3.7-3.9 s
+        either way. In a real replay that hit waited 7.3 s where 2.5 s was estimated."""
+        if self.long_prefill_tokens is not None:
+            return self.long_prefill_tokens
+        return default_long_prefill_tokens(self.role)
+
+    def with_ports(self) -> WorkerSettings:
+        """Concrete ports for every endpoint left at 0, and a worker id if missing."""
+        pick = lambda port: port or free_port(self.bind_host)  # noqa: E731
+        return replace(
+            self,
+            worker_id=self.worker_id or f"{self.role}-{self.incarnation[:8]}",
+            rpc_port=pick(self.rpc_port),
+            kv_events_port=pick(self.kv_events_port), transfer_port=pick(self.transfer_port))
+
+    @property
+    def rpc_address(self) -> str:
+        return tcp(self.host, self.rpc_port)
+
+    @property
+    def kv_events_address(self) -> str:
+        return tcp(self.host, self.kv_events_port)
+
+    @property
+    def transfer_address(self) -> str:
+        return tcp(self.host, self.transfer_port)
+
+    def apply_environment(self) -> None:
+        """Process-wide settings vLLM reads from the environment; call before the engine starts."""
+        if self.omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
