@@ -192,7 +192,8 @@ class ChatShape:
         self.model = model
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        # ``refusal`` is required by OpenAI's schema (null when there is none).
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None, "finish_reason": finish_reason}
 
     def chunk_choice(self, index: int, delta: Delta, first: bool) -> dict:
