@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-EngineHash = Union[bytes, int]
+EngineHash = bytes | int
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -38,7 +38,7 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, forbid_unkn
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):

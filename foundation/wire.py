@@ -10,8 +10,6 @@ payloads in ``tests/test_wire.py`` pin the encoding.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 
@@ -379,33 +377,33 @@ class PullOverLink(_Message, tag="pull_link"):
     transfer_id: int
 
 
-Message = Union[
-    GenerateRequest,
-    AbortRequest,
-    StatsRequest,
-    GenerateChunk,
-    ErrorReply,
-    WorkerStats,
-    Heartbeat,
-    RegisterReply,
-    SnapshotRequest,
-    KVSnapshot,
-    ResetCacheRequest,
-    ResetCacheReply,
-    ReleaseAllLeases,
-    PullBlocks,
-    PullHeader,
-    ReleaseLease,
-    ReleaseReply,
-    TransferStatsRequest,
-    TransferStatsReply,
-    PullRecordsRequest,
-    PullRecordsReply,
-    LinkHello,
-    LinkSetup,
-    OpenLink,
-    PullOverLink,
-]
+Message = (
+    GenerateRequest
+    | AbortRequest
+    | StatsRequest
+    | GenerateChunk
+    | ErrorReply
+    | WorkerStats
+    | Heartbeat
+    | RegisterReply
+    | SnapshotRequest
+    | KVSnapshot
+    | ResetCacheRequest
+    | ResetCacheReply
+    | ReleaseAllLeases
+    | PullBlocks
+    | PullHeader
+    | ReleaseLease
+    | ReleaseReply
+    | TransferStatsRequest
+    | TransferStatsReply
+    | PullRecordsRequest
+    | PullRecordsReply
+    | LinkHello
+    | LinkSetup
+    | OpenLink
+    | PullOverLink
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -78,8 +78,8 @@ class ReplayCluster:
     long_prefill_tokens: Mapping[str, int] = field(default_factory=dict)  # role -> the workers' per-request step cap
 
     def settings(self, **changes) -> SimulationSettings:
-        return replace(SimulationSettings(prefill_engine=self.engine_of("prefill"), decode_engine=self.engine_of("decode"),
-                                          cpu=self.cpu, stats_at_step_end=True), **changes)
+        engines = {"prefill_engine": self.engine_of("prefill"), "decode_engine": self.engine_of("decode")}
+        return replace(SimulationSettings(**engines, cpu=self.cpu, stats_at_step_end=True), **changes)
 
     def engine_of(self, role: str) -> EngineConfig:
         return replace(self.engine, long_prefill_tokens=self.long_prefill_tokens.get(role, 0))

@@ -176,7 +176,8 @@ class ConnectorScheduler:
         if not self._finished_pulls:
             return
         self._finished_pulls = [idle for pulled in self._finished_pulls
-                                if (idle := [(b, held) for b, held in pulled if b.ref_cnt == 0 and b.block_hash == held])]
+                                if (idle := [(b, held) for b, held in pulled
+                                             if b.ref_cnt == 0 and b.block_hash == held])]
         blocks = [b for pulled in self._finished_pulls for b, _ in reversed(pulled)]
         pool = getattr(blocks[0], "pool", None) if blocks else None
         if pool is None or demote(pool.free_block_queue, blocks):

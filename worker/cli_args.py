@@ -20,7 +20,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "else float32 (default: %(default)s)")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib,
                         help="KV cache size in GiB, fractions allowed (default: %(default)s)")
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: 32 on CPU, vLLM's on GPU)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size in tokens (default: 32 on CPU, vLLM's on GPU)")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
                         help="longest prompt + output in tokens (default: %(default)s)")
     parser.add_argument("--host", default=defaults.host, help="address peers use to reach this worker")

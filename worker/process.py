@@ -63,8 +63,8 @@ class Worker:
             self.prefill_probe = await probe_prefill(self.engine, self.settings.probe_tokens)
             # Followed only from here: the probe's blocks, gone with its cache reset, never
             # enter the resident set that snapshots (and so orchestrators' indexes) are built from.
-            tasks = [asyncio.create_task(follow(self.resident, tcp(_local(self.settings.bind_host), self.settings.kv_events_port),
-                                                KV_EVENTS_TOPIC))]
+            events_address = tcp(_local(self.settings.bind_host), self.settings.kv_events_port)
+            tasks = [asyncio.create_task(follow(self.resident, events_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat)

@@ -129,7 +129,8 @@ class ReplayServer:
                 return {"reset": False, "supported": False, "attempts": attempt}
             if reply.status_code == 200 and _json(reply).get("reset"):
                 return {"reset": True, "supported": True, "attempts": attempt}
-            warn(f"reset-cache attempt {attempt} failed: {reply.status_code} {_json(reply).get('workers', reply.text[:300])}")
+            detail = _json(reply).get('workers', reply.text[:300])
+            warn(f"reset-cache attempt {attempt} failed: {reply.status_code} {detail}")
             time.sleep(RESET_RETRY_S)
         warn("reset-cache kept failing; this policy starts with whatever the caches hold")
         return {"reset": False, "supported": True, "attempts": RESET_ATTEMPTS}

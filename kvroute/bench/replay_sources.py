@@ -70,7 +70,8 @@ def trace_item(request: TraceRequest) -> ReplayItem:
     return ReplayItem(request.index, request.arrival_seconds, COMPLETIONS_ENDPOINT, payload, request.hash_ids[0])
 
 
-def trace_items(path: str | Path, scaling: TraceScaling, limit: int | None = None) -> tuple[list[ReplayItem], ScaledTrace]:
+def trace_items(path: str | Path, scaling: TraceScaling,
+                limit: int | None = None) -> tuple[list[ReplayItem], ScaledTrace]:
     """The trace's first ``limit`` records, scaled; the ``ScaledTrace`` says how many were dropped."""
     scaled = load_trace(path, scaling, limit)
     return [trace_item(request) for request in scaled.requests], scaled

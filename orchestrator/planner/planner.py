@@ -1,5 +1,5 @@
 """The cache-aware policy: weigh reuse on a busy worker against recompute on an idle one,
-in seconds (DESIGN.md section 3). Pure: everything it needs is passed in.
+in seconds (docs/placement.md). Pure: everything it needs is passed in.
 
     prune pools -> enumerate LOCAL and DISAGG plans -> estimate + mark infeasible -> rank -> explain
 

@@ -20,9 +20,8 @@ class PlannerSettings:
     max_queued_prefill_tokens: int = 16_384
     # Plans costing within this fraction of the cheapest one are ties, and the tie goes to the
     # plan whose prefilling worker's cache is emptiest. Estimates are ~10% noisy, and a
-    # worker never chosen is never measured: by strict cost, one worker 4% faster on paper
-    # (measured against one not yet measured) took every new prefix of a real replay, and
-    # the other prefill worker's cache stayed empty (hit rate 54%, against 74% before).
+    # worker never chosen is never measured: by strict cost, one worker a few percent faster
+    # on paper takes every new prefix and the other prefill worker's cache stays empty.
     tie_band: float = 0.1
     # Output length assumed when the request does not say (max_tokens unset); it sizes
     # the decode worker's KV room for the request's lifetime.

@@ -12,8 +12,9 @@ rendezvous store, so a worker can hold links to many peers, made as they are nee
 The address travels over the caller's control channel (see ``links``). Small
 consecutive frames travel as one message (``transfer.transports.packing``), since each
 send/receive pair has a fixed cost. The receiver posts the receive of message i+1
-before storing message i's frames, so the wire and the scatter overlap. After a failure the group is aborted and its buffers dropped: a receive that
-timed out might still complete later, into memory that must then be nobody's.
+before storing message i's frames, so the wire and the scatter overlap. After a failure
+the group is aborted and its buffers dropped: a receive that timed out might still
+complete later, into memory that must then be nobody's.
 """
 
 from __future__ import annotations
