@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer
+
+from orchestrator.chat_template import TokenizerFiles, compile_template
 
 
 class PromptError(ValueError):
@@ -17,20 +18,31 @@ class PromptError(ValueError):
 
 
 class TextCodec:
+    """The model's fast tokenizer and chat template (``orchestrator.chat_template``): the
+    same token ids transformers' tokenizer gives, without importing torch."""
+
     def __init__(self, model_path: str):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.vocab_size = len(self.tokenizer)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        files = TokenizerFiles.of(model_path)
+        self.tokenizer = files.tokenizer()
+        self.special_tokens = files.special_tokens
+        self.template = compile_template(files.chat_template())
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise PromptError("cannot apply the chat template to an empty conversation")
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                        **self.special_tokens)
         except Exception as error:  # template errors are caused by the messages given
             raise PromptError(f"cannot apply the chat template: {error}") from error
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        # The template writes the special tokens itself.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+        return self.tokenizer.encode(text).ids
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -38,7 +50,7 @@ class TextCodec:
             raise PromptError(f"token ids outside the vocabulary (0..{self.vocab_size - 1}): {bad[:5]}")
 
     def text_stream(self, stop: list[str]) -> TextStream:
-        return TextStream(self.tokenizer._tokenizer, stop)
+        return TextStream(self.tokenizer, stop)
 
 
 @dataclass
