@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvroute-setup-done
 # The slowest tests are listed after every run, so a growing suite shows where.
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: setup serve test model clean
+.PHONY: setup serve lint test test-fast test-unit test-contract test-integration test-e2e model clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,30 @@ model: setup
 serve: setup
 	$(PY) -m kvroute serve $(ARGS)
 
-test: setup
+# Ruff, and the import-linter contracts of the layers (pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+# Every tier (CI runs this). The tiers are the folders of tests/; see tests/conftest.py.
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Before every commit: lint, then the unit and contract tiers (under 3 minutes on 2 cores).
+test-fast: setup lint
+	$(PY) -m pytest $(PYTEST_ARGS) tests/unit tests/contract
+
+test-unit: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests/unit
+
+test-contract: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests/contract
+
+test-integration: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests/integration
+
+test-e2e: setup
+	$(PY) -m pytest $(PYTEST_ARGS) tests/e2e
 
 clean:
 	rm -rf $(VENV) build *.egg-info

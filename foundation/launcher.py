@@ -1,4 +1,4 @@
-"""Starting and stopping worker processes on this machine (tests, scripts, ``kvroute serve``).
+"""Starting and stopping worker processes on this machine (tests, measurements, ``kvroute serve``).
 
 Each worker runs as ``python -m <role>_worker`` in its own process group, announces
 its addresses through a ready file, and is stopped with SIGTERM, which drains it
@@ -125,7 +125,7 @@ def spawn(command: list[str], log_path: Path, env: dict[str, str], own_session: 
     a session of its own, whose engine core polled on one core, got almost nothing on the
     core its model runner is bound to whenever a busy engine of another session was bound
     there too: a 34-token prefill waited 9.4 s for a neighbour's 9 s prefill instead of
-    taking 0.6-0.9 s (``scripts/probe_core_sharing.py``). ``own_session`` is there for that
+    taking 0.6-0.9 s (``kvroute bench core-sharing``). ``own_session`` is there for that
     comparison only."""
     placement = {"start_new_session": True} if own_session else {"process_group": 0}
     with open(log_path, "wb") as log:

@@ -155,8 +155,8 @@ class CompletionService:
         self.index.expire_claims(time.monotonic())
         block_hashes = job.block_hashes(block_size)
         matches = self.index.match(block_hashes)
-        prefill = self._views("prefill", block_hashes, matches, excluded)
-        decode = self._views("decode", block_hashes, matches, excluded)
+        prefill = self.worker_views("prefill", block_hashes, matches, excluded)
+        decode = self.worker_views("decode", block_hashes, matches, excluded)
         prefill, decode = self._with_core_neighbours(prefill, decode)
         if not prefill or not decode:
             raise APIError(503, f"cannot serve right now: no live {'prefill' if not prefill else 'decode'} "
@@ -177,9 +177,11 @@ class CompletionService:
         sizes = (w.load.block_size for role in wire.ROLES for w in self.fleet.live(role))
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
-    def _views(self, role: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
-               excluded: set[str]) -> LazyPool:
-        """The live workers' views, built as a policy reads them (``orchestrator.planner.pools``).
+    def worker_views(self, role: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
+                     excluded: set[str]) -> LazyPool:
+        """The live workers of ``role`` (less ``excluded``) as ``plan`` shows them to a policy:
+        views built as the policy reads them (``orchestrator.planner.pools``), for a prompt of
+        ``block_hashes`` whose cached blocks per worker are ``matches`` (``PrefixIndex.match``).
         A worker whose heartbeat the ledger has nothing to correct for is keyed by its
         heartbeat alone; the others' views are built now, as their keys need the ledger."""
         workers = [w for w in self.fleet.live(role) if w.worker_id not in excluded]

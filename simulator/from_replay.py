@@ -1,6 +1,6 @@
 """The simulator's inputs measured on a real cluster: cost curves, cluster shape, core binding.
 
-The source is what ``scripts/measure_placement.py`` writes (``results.json``: settings,
+The source is what ``kvroute bench placement`` writes (``results.json``: settings,
 machine, workload, ``workers`` labelled ``role@core``, per-request rows with client
 timings, cached tokens, plan and workers) and, optionally, the decision records in the
 cluster's log (``read_decisions(serve.log)``: each pull's bytes and seconds).

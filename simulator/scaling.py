@@ -25,7 +25,7 @@ from dataclasses import replace
 from simulator.calibration import SimCalibration
 from workloads import RepositoryAssistantConfig
 
-REFERENCE_TRACE_PREFILL = 4  # simulate.py's default cluster: 4 prefill + 4 decode
+REFERENCE_TRACE_PREFILL = 4  # kvroute bench simulate's default cluster: 4 prefill + 4 decode
 
 
 def scale_repository_assistant(config: RepositoryAssistantConfig, reference_prefill: int, num_prefill: int,

@@ -1,6 +1,6 @@
 """Workload generators by name, and building one from overrides given as strings.
 
-``GENERATORS`` is what ``kvroute bench replay --workload`` and ``scripts/simulate.py
+``GENERATORS`` is what ``kvroute bench replay --workload`` and ``kvroute bench simulate
 --workload`` offer. Overrides name fields of the generator's config (``groups=8``); a
 value is parsed as the type of the field's default. ``requests`` is a field of some
 configs; for the others (whose size is structural: conversations, groups x prompts) it

@@ -1,4 +1,4 @@
-"""Token counts with the model's own tokenizer, for generators and scripts that want exact
+"""Token counts with the model's own tokenizer, for generators and measurements that want exact
 lengths (the generators default to ``approx_tokens`` and need nothing of the model)."""
 
 from __future__ import annotations

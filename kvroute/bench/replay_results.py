@@ -18,6 +18,7 @@ from dataclasses import asdict
 import numpy as np
 
 from kvroute.bench.replay import Row
+from simulator.records import percentile
 
 # An estimate off by less than one block is rounding, not a stale index.
 MISPREDICTION_TOKENS = 128
@@ -26,10 +27,6 @@ SLOW_HANDOFF_S = 5.0
 LATENCIES = (("ttft", "ttft_s"), ("second_token", "second_token_s"), ("itl", "itl_s"), ("e2e", "e2e_s"),
              ("queue_wait", "queue_wait_s"), ("server_ttft", "server_ttft_s"),
              ("server_second_token", "server_second_token_s"))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def hit_rate(rows: list[Row]) -> float | None:

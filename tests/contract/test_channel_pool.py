@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from foundation.endpoint_client import ChannelPool, PullFailed, release_lease
-from tests.test_transfer_contract import (
-    CONSUMER_BLOCKS,
-    DEADLINE_SECONDS,
-    PRODUCER_BLOCKS,
-    Producer,
-    assert_pulled,
-    make_cache,
-)
+from tests.contract.transfer_endpoint import DEADLINE_SECONDS, Producer, assert_pulled
+from tests.paged_caches import CONSUMER_BLOCKS, PRODUCER_BLOCKS, make_cache
 from transfer.block_client import pull_blocks
 from transfer.kv_layout import block_index_tensor
 

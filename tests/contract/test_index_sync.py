@@ -24,7 +24,7 @@ from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import KV_EVENTS_TOPIC, IndexSync, WorkerIndexSync
 from orchestrator.registry import WorkerView
 from orchestrator.worker_client import WorkerError
-from tests.test_index import BS, OTHER_TENANT, FakeEngine, S, tokens
+from tests.fake_engine import BS, OTHER_TENANT, FakeEngine, S, tokens
 
 WORKER = "prefill-0"
 INCARNATION = "inc-1"

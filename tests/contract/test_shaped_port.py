@@ -13,24 +13,12 @@ import time
 import pytest
 
 from kvroute.bench.shaped_port import ShapedPort, root_qdisc
-from kvroute.bench.transfer_netns import ShapingUnavailable, shaping_available
+from kvroute.bench.transfer_netns import ShapingUnavailable
+from tests.shaping import UNAVAILABLE
 
 PAYLOAD = 1_000_000
 RATE = "20mbit"  # 2.5 MB/s: the payload needs ~0.3 s beyond the 256 KiB burst
 
-
-def probe() -> str | None:
-    reason = shaping_available()
-    if reason:
-        return reason
-    try:
-        with ShapedPort(1, RATE):
-            return None
-    except ShapingUnavailable as error:
-        return str(error)
-
-
-UNAVAILABLE = probe()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no port shaping here: {UNAVAILABLE}")
 
 

@@ -11,20 +11,10 @@ import pytest
 import torch
 
 from foundation.endpoint_client import PullFailed, fetch_transfer_stats
-from tests.test_transfer_contract import (
-    CONSUMER_BLOCKS,
-    DEADLINE_SECONDS,
-    NUM_LAYERS,
-    PARK_SECONDS,
-    Producer,
-    assert_pulled,
-    block_bytes,
-    make_cache,
-    stage,
-)
+from tests.contract.transfer_endpoint import DEADLINE_SECONDS, PARK_SECONDS, Producer, assert_pulled, stage
+from tests.paged_caches import CONSUMER_BLOCKS, NUM_LAYERS, block_bytes, make_cache
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
-from transfer.settings import ConnectorSettings
 from transfer.transports.settings import TransportSettings
 
 pytestmark = pytest.mark.timeout(90)
@@ -80,7 +70,8 @@ def test_one_link_carries_every_pull_of_the_pair(context, producer, consumer, li
         pull(context, link, consumer, source, list(range(len(remote))), list(local))
         for layer in range(NUM_LAYERS):
             for remote_id, local_id in zip(remote, local):
-                assert torch.equal(block_bytes(consumer, layer, local_id), block_bytes(producer.cache, layer, remote_id))
+                expected = block_bytes(producer.cache, layer, remote_id)
+                assert torch.equal(block_bytes(consumer, layer, local_id), expected)
     assert not link.closed and fetch_transfer_stats(context, producer.address).counters.links_opened == 1
 
 
@@ -130,13 +121,3 @@ def test_a_layout_mismatch_refuses_the_link_before_any_byte_moves(context, produ
                            TransportSettings(backend="zmq-tcp"), timeout=3 * PARK_SECONDS)
     assert producer.server._links == {}
     assert fetch_transfer_stats(context, producer.address).counters.bytes_sent == 0
-
-
-def test_the_connector_setting_names_a_link_or_the_endpoint():
-    base = {"transfer_address": "tcp://10.0.0.7:7000"}
-    assert not ConnectorSettings.from_extra_config(base).uses_links
-    settings = ConnectorSettings.from_extra_config({**base, "transfer_link": "gloo"})
-    assert settings.uses_links and settings.link_settings() == TransportSettings(backend="gloo", host="10.0.0.7")
-    assert ConnectorSettings.from_extra_config(base).link_settings().backend == "auto"
-    with pytest.raises(ValueError, match="transfer_link must be one of"):
-        ConnectorSettings.from_extra_config({**base, "transfer_link": "carrier-pigeon"})

@@ -11,10 +11,8 @@ import math
 
 import pytest
 import zmq
-from transformers import AutoTokenizer
 
 from foundation import kv_events, wire
-from foundation.model_prep import resolve_model
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
 from tests.cluster import (
@@ -27,44 +25,10 @@ from tests.cluster import (
     wait_idle,
     wait_staged,
 )
+from tests.e2e.disagg import GREEDY_32, TOPICS, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
 from worker.queued_prefill import QueuedPrompt
 from worker.resident import ResidentBlocks
 from worker.settings import default_long_prefill_tokens
-
-GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
-TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
-          "the rules of chess", "the water cycle", "how compilers work", "the migration of birds"]
-# Approximate prompt lengths in tokens: below one block (128) up to more than six blocks.
-REPEATS = [1, 6, 10, 14, 25, 40, 60, 85]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(None))
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-
-def question(index: int) -> list[dict]:
-    topic = TOPICS[index]
-    filler = f"Please explain {topic} in detail. " * REPEATS[index]
-    return [{"role": "user", "content": f"Question {index} about {topic}. {filler}"}]
-
-
-@pytest.fixture
-async def clients(engines):
-    clients = Clients(WorkerClient(engines["prefill"].rpc_address), WorkerClient(engines["decode"].rpc_address))
-    yield clients
-    # Nothing left behind: no lease held on the producer, nothing running anywhere.
-    for client in (clients.prefill, clients.decode):
-        stats = await wait_idle(client)
-        assert stats.transfer.active_leases == 0, stats
-        assert stats.transfer.active_pulls == 0, stats
-        assert stats.num_active_requests == 0 and stats.load.num_running == 0, stats
-    await clients.close()
 
 
 async def test_each_worker_timed_a_prefill_at_start_up_and_indexed_none_of_its_blocks(engines):
@@ -81,13 +45,6 @@ async def test_each_worker_timed_a_prefill_at_start_up_and_indexed_none_of_its_b
             await client.close()
 
 
-async def transfer_delta(clients: Clients, run):
-    before = (await clients.prefill.stats(), await clients.decode.stats())
-    result = await run()
-    after = (await wait_idle(clients.prefill), await wait_idle(clients.decode))
-    return result, before, after
-
-
 async def test_outputs_identical_to_single_engine(clients, tokenizer):
     lengths = []
     for index in range(len(TOPICS)):
@@ -95,37 +52,12 @@ async def test_outputs_identical_to_single_engine(clients, tokenizer):
         lengths.append(len(prompt))
         reference = await run_single(clients.decode, f"ref-{index}", prompt, GREEDY_32, f"reference-{index}")
         record, before, after = await transfer_delta(
-            clients, lambda: run_disaggregated(clients, f"disagg-{index}", prompt, GREEDY_32))
+            clients, lambda index=index, prompt=prompt: run_disaggregated(clients, f"disagg-{index}", prompt,
+                                                                          GREEDY_32))
         assert record.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
         assert len(record.token_ids) == 32
-        _assert_loaded_not_recomputed(record, before, after)
+        assert_loaded_not_recomputed(record, before, after)
     assert min(lengths) < 128 and max(lengths) >= 6 * 128, lengths
-
-
-def _assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> None:
-    producer_before, consumer_before = before
-    producer_after, consumer_after = after
-    bytes_per_block = consumer_after.load.bytes_per_block
-    block_size = consumer_after.load.block_size
-    local_hit = consumer_after.prompt_tokens.local_cache_hit - consumer_before.prompt_tokens.local_cache_hit
-    blocks_moved = consumer_after.transfer.blocks_received - consumer_before.transfer.blocks_received
-    bytes_moved = consumer_after.transfer.bytes_received - consumer_before.transfer.bytes_received
-    external = (consumer_after.prompt_tokens.external_kv_transfer
-                - consumer_before.prompt_tokens.external_kv_transfer)
-    prompt_tokens = record.pull_source.num_tokens
-    assert blocks_moved == math.ceil(prompt_tokens / block_size) - local_hit // block_size
-    assert bytes_moved == blocks_moved * bytes_per_block
-    # The decode worker reports this request's own pull, as its connector timed it.
-    assert record.transfer is not None and record.transfer.ok
-    assert record.transfer.num_bytes == bytes_moved and record.transfer.seconds > 0
-    assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
-    # Both workers run on this host, so the blocks came from the producer's shared copy
-    # (transfer.shared_copies) unless the consumer was started with --no-shared-copies.
-    shared_pulls = consumer_after.transfer.shared_pulls - consumer_before.transfer.shared_pulls
-    assert shared_pulls == (int(blocks_moved > 0) if shared else 0)
-    # vLLM's own accounting: every prompt token not found locally came from the transfer.
-    assert external == prompt_tokens - local_hit
-    assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
 
 
 async def test_delta_transfer_moves_only_missing_blocks(clients, tokenizer):
@@ -147,7 +79,7 @@ async def test_delta_transfer_moves_only_missing_blocks(clients, tokenizer):
     blocks_moved = after[1].transfer.blocks_received - before[1].transfer.blocks_received
     assert blocks_moved == math.ceil(len(prompt2) / block_size) - local_hit // block_size
     assert blocks_moved < math.ceil(len(prompt2) / block_size)
-    _assert_loaded_not_recomputed(second, before, after)
+    assert_loaded_not_recomputed(second, before, after)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +102,7 @@ async def test_frames_path_outputs_identical_to_single_engine(clients, frames_de
         record, before, after = await transfer_delta(
             frames, lambda: run_disaggregated(frames, "frames-disagg", prompt, GREEDY_32))
         assert record.token_ids == reference
-        _assert_loaded_not_recomputed(record, before, after, shared=False)
+        assert_loaded_not_recomputed(record, before, after, shared=False)
         block_size = after[1].load.block_size
         assert after[1].transfer.blocks_received - before[1].transfer.blocks_received == math.ceil(
             len(prompt) / block_size)  # a fresh worker: every block came as frames

@@ -9,34 +9,28 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster import run_disaggregated, run_single, running_workers
-from tests.test_integration_disagg import (  # noqa: F401
-    GREEDY_32,
-    _assert_loaded_not_recomputed,
-    chat_prompt,
-    clients,
-    question,
-    tokenizer,
-    transfer_delta,
-)
+from tests.e2e.disagg import GREEDY_32, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
 
 LINK = "gloo"
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    with running_workers(tmp_path_factory.mktemp("link-workers"),
-                         [("prefill", "0", ["--transfer-link", LINK]), ("decode", "1", ["--transfer-link", LINK])]) as workers:
+    specs = [("prefill", "0", ["--transfer-link", LINK]), ("decode", "1", ["--transfer-link", LINK])]
+    with running_workers(tmp_path_factory.mktemp("link-workers"), specs) as workers:
         yield workers
 
 
-async def test_outputs_over_a_gloo_link_are_identical_to_a_single_engine(clients, tokenizer):  # noqa: F811
+async def test_outputs_over_a_gloo_link_are_identical_to_a_single_engine(clients, tokenizer):
     for index in (0, 3, 7):  # below one block, a few blocks, more than six
         prompt = chat_prompt(tokenizer, question(index))
-        reference = await run_single(clients.decode, f"link-ref-{index}", prompt, GREEDY_32, f"link-reference-{index}")
+        reference = await run_single(clients.decode, f"link-ref-{index}", prompt, GREEDY_32,
+                                     f"link-reference-{index}")
         record, before, after = await transfer_delta(
-            clients, lambda: run_disaggregated(clients, f"link-disagg-{index}", prompt, GREEDY_32))
+            clients, lambda index=index, prompt=prompt: run_disaggregated(clients, f"link-disagg-{index}", prompt,
+                                                                          GREEDY_32))
         assert record.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
-        _assert_loaded_not_recomputed(record, before, after, shared=False)  # a link carries every pull
+        assert_loaded_not_recomputed(record, before, after, shared=False)  # a link carries every pull
 
     stats = (await clients.prefill.stats(), await clients.decode.stats())
     assert [s.transfer.links_opened for s in stats] == [1, 1], "one link should serve every pull of the pair"

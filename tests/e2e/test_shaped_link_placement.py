@@ -26,7 +26,7 @@ from foundation.model_prep import default_cache_dir
 from kvroute.bench.shaped_port import ShapedPort
 from testing.stack import Stack
 from tests.cluster import assert_stops_leaving_nothing
-from tests.test_shaped_port import UNAVAILABLE
+from tests.shaping import UNAVAILABLE
 
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no port shaping here: {UNAVAILABLE}")
 

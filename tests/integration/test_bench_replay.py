@@ -2,20 +2,18 @@
 
 One ``SyntheticStack`` per module (orchestrator with --allow-policy-override, one prefill
 and one decode worker with fixed-time engines: real sockets, no model), replayed with two
-policies from a workload and from a tiny Mooncake trace.
+policies from a workload and from a tiny Mooncake trace. Its refusals without a stack are in
+tests/unit/test_bench_replay_cli.py and tests/contract/test_bench_replay_unreachable.py.
 """
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from foundation.model_prep import resolve_model
-from kvroute.bench.replay_server import ReplayError, ReplayServer
 from kvroute.cli import main
-from orchestrator.errors import error_body
 from testing.stack import SyntheticStack
 
 POLICIES = "cache_aware,round_robin"
@@ -48,7 +46,7 @@ def replay(stack, output, *source: str) -> int:
 def check_results(output, requests: int) -> dict:
     results = json.loads((output / "results.json").read_text())
     assert list(results["summaries"]) == POLICIES.split(",")
-    for policy, summary in results["summaries"].items():
+    for summary in results["summaries"].values():
         assert summary["succeeded"] == requests and summary["errors"] == 0
         assert summary["ttft_p50_s"] > 0 and summary["ttft_p99_s"] >= summary["ttft_p50_s"]
         assert summary["e2e_p99_s"] >= summary["e2e_p50_s"] > 0
@@ -88,25 +86,3 @@ def test_unknown_policy_is_a_clear_error(stack, tmp_path, capsys):
     assert code == 2
     assert "policy 'nope'" in capsys.readouterr().out
     assert not (tmp_path / "results.json").exists()
-
-
-def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
-    code = main(["bench", "replay", "--url", "http://127.0.0.1:9", "--workload", "repository-assistant",
-                 "--output", str(tmp_path)])
-    assert code == 2
-    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().out
-
-
-def test_unknown_workload_is_refused_before_connecting(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["bench", "replay", "--url", "http://127.0.0.1:9", "--workload", "nope", "--output", str(tmp_path)])
-    assert "unknown workload 'nope'; choose one of repository-assistant" in capsys.readouterr().err
-
-
-def test_server_without_policy_override_says_how_to_fix_it():
-    # The orchestrator's own refusal body, as it sends it without --allow-policy-override.
-    refusal = error_body(400, "X-KVRoute-Policy needs the orchestrator's --allow-policy-override",
-                         param="X-KVRoute-Policy", code="policy_override_disabled")
-    server = ReplayServer("http://cluster", transport=httpx.MockTransport(lambda _: httpx.Response(400, json=refusal)))
-    with pytest.raises(ReplayError, match="start the orchestrator with --allow-policy-override"):
-        server.check_policies("model", ["round_robin"])

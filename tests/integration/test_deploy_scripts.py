@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 START = REPO_ROOT / "deploy" / "start-pool.sh"
 STOP = REPO_ROOT / "deploy" / "stop-pool.sh"
 

@@ -14,7 +14,7 @@ import pytest
 
 from foundation.model_prep import resolve_model
 from testing.stack import running_synthetic_stack
-from tests.test_worker_faults import MAX_TOKENS, kill, stream
+from tests.integration.faults import MAX_TOKENS, kill, stream
 
 ROLES = ("prefill", "prefill", "decode")
 PREFILL_SECONDS_PER_TOKEN = 0.02  # a prompt of ~100 tokens takes ~2 s: time to kill its worker

@@ -1,5 +1,5 @@
 """Per-tenant rate limits over HTTP: a real orchestrator with synthetic-engine workers
-(see tests/test_worker_breaker.py). Tenant team-a has the orchestrator's limit (0.25/s,
+(see tests/integration/test_worker_breaker.py). Tenant team-a has the orchestrator's limit (0.25/s,
 burst 2); team-b's key sets its own, higher one. Once team-a has spent its burst its
 completions get 429 in OpenAI's shape with Retry-After, streaming or not, while team-b is
 served, team-a's other routes are not limited, and team-a is served again after waiting."""

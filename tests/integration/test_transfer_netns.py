@@ -1,7 +1,8 @@
 """The shaped link of ``kvroute bench transfer``: two namespaces, a veth pair with addresses
 only inside them, tbf on both ends, and nothing left behind on exit or on error.
 
-Needs root and iproute2; skipped elsewhere. The rate arithmetic runs everywhere.
+Needs root and iproute2; skipped elsewhere. The rate arithmetic is in
+tests/unit/test_transfer_netns_rates.py.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from kvroute.bench.transfer_netns import (
     RECEIVER_ADDRESS,
     SENDER_ADDRESS,
     ShapedLink,
-    burst_bytes,
     enter_namespace,
-    rate_bits_per_second,
     shaping_available,
 )
 
@@ -64,19 +63,6 @@ def echo_across(link: ShapedLink) -> bytes:
 
 def namespaces() -> str:
     return subprocess.run(("ip", "netns", "list"), capture_output=True, text=True).stdout
-
-
-@pytest.mark.parametrize("rate, bits", [("100mbit", 10**8), ("1gbit", 10**9), ("1.5gbit", 15 * 10**8),
-                                        ("500kbit", 5 * 10**5)])
-def test_rates_in_tc_spelling(rate, bits):
-    assert rate_bits_per_second(rate) == bits
-
-
-def test_bad_rates_and_the_burst_floor():
-    with pytest.raises(ValueError, match="kbit, mbit or gbit"):
-        rate_bits_per_second("fast")
-    assert burst_bytes("100mbit") == 256 * 1024  # 50 KB per tick, raised to the floor
-    assert burst_bytes("10gbit") == 10**10 // 8 // 250
 
 
 needs_root = pytest.mark.skipif(shaping_available() is not None, reason=str(shaping_available()))

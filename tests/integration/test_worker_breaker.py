@@ -1,5 +1,5 @@
 """The circuit breaker with real processes: an orchestrator and synthetic-engine workers
-(see tests/test_worker_faults.py). A decode worker made to fail every request (SIGUSR1,
+(see tests/integration/test_worker_faults.py). A decode worker made to fail every request (SIGUSR1,
 ``testing.synthetic_worker``'s failure injection) stays registered and heartbeating; its
 requests move to the other decode worker, its breaker opens after two failures and no
 more requests are placed on it; once healthy again and past the cool-down, a probe

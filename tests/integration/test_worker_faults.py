@@ -6,7 +6,6 @@ are the real ones."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 import httpx
@@ -15,10 +14,9 @@ import pytest
 
 from foundation.model_prep import resolve_model
 from testing.stack import running_synthetic_stack
+from tests.integration.faults import MAX_TOKENS, kill, stream
 
-MODEL = "SmolLM2-135M-Instruct"
 ROLES = ("prefill", "decode", "decode")
-MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +33,9 @@ def client(stack):
                          max_retries=0)  # strict validation rejects streamed completion chunks (finish_reason None)
 
 
-def stream(client, prompt: str):
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     stream=True, stream_options={"include_usage": True},
-                                     extra_body={"ignore_eos": True})
-
-
 def decode_worker_of(stack, response_id: str) -> str:
     records = httpx.get(f"{stack.url}/v1/decisions/{response_id}", timeout=5).json()["data"]
     return records[0]["chosen"]["decode_worker"]
-
-
-def kill(stack, worker_id: str) -> None:
-    stack.worker_processes[worker_id].send_signal(signal.SIGKILL)
-    stack.worker_processes[worker_id].wait(10)
 
 
 def test_decode_worker_killed_mid_stream_the_stream_continues_unchanged(stack, client):
@@ -80,7 +67,7 @@ def test_with_no_decode_worker_left_the_stream_ends_with_an_error_event(stack, c
     assert len(live) == 1
     started = time.monotonic()
     with pytest.raises(openai.APIError, match="worker"):
-        for number, chunk in enumerate(stream(client, "The last decode worker goes away.")):
+        for number, _ in enumerate(stream(client, "The last decode worker goes away.")):
             if number == 3:
                 kill(stack, live[0])
     assert time.monotonic() - started < 15  # an error event, then the end: never a hang

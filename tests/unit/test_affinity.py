@@ -1,4 +1,5 @@
-"""CPU lists for the transfer threads, and binding a thread to them."""
+"""CPU lists for the transfer threads, and binding a thread to them (the ZeroMQ context bound to
+them is in tests/contract/test_transfer_context.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import os
 import threading
 
 import pytest
-import zmq
 
-from transfer.affinity import parse_cpus, pin_current_thread, transfer_context, transfer_cpus
+from transfer.affinity import parse_cpus, pin_current_thread, transfer_cpus
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -45,15 +45,3 @@ def test_pinning_binds_only_the_calling_thread():
     thread.join()
     assert seen == [{min(mine)}]
     assert os.sched_getaffinity(0) == mine
-
-
-def test_transfer_context_makes_working_sockets():
-    context = transfer_context(transfer_cpus(""))
-    try:
-        server, client = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-        port = server.bind_to_random_port("tcp://127.0.0.1")
-        client.connect(f"tcp://127.0.0.1:{port}")
-        client.send(b"ping")
-        assert server.poll(5000) and server.recv() == b"ping"
-    finally:
-        context.destroy(linger=0)

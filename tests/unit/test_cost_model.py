@@ -375,7 +375,8 @@ def test_a_class_without_enough_points_borrows_the_pooled_fit():
 def test_before_enough_points_anywhere_the_pool_borrows_the_scaled_defaults():
     calibrator = PrefillCalibrator(min_points=8)
     assert calibrator.pooled() is None
-    assert calibrated_model(CostModel(), calibrator, LinkCalibrator()).coefficients_for("decode") == cost.DEFAULT_PREFILL
+    model = calibrated_model(CostModel(), calibrator, LinkCalibrator())
+    assert model.coefficients_for("decode") == cost.DEFAULT_PREFILL
     points = list(noisy_prefills(7))
     for new, cached, seconds in points[:6]:
         calibrator.observe("decode", new, cached, seconds)

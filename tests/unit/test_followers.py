@@ -16,7 +16,7 @@ from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.plans import held_blocks, reused_tokens
 from orchestrator.planner.views import RequestView, WorkerView
 from orchestrator.service import CompletionService
-from tests.test_index import BS, FakeEngine, S, tokens
+from tests.fake_engine import BS, FakeEngine, S, tokens
 
 CAP = 64  # tokens per prompt per step: 4 blocks of 16
 PROMPT = tokens(20, seed=5)

@@ -10,7 +10,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, get_block_hash, make_block_hash_with_group_id
 from vllm.v1.request import RequestStatus
 
-from tests.test_connector_scheduler import BLOCK_SIZE, P, consumer_request, produce
+from tests.unit.connector_requests import BLOCK_SIZE, P, consumer_request, produce
 from transfer.connector_scheduler import ConnectorScheduler
 from transfer.free_queue import demote
 from transfer.settings import ConnectorSettings

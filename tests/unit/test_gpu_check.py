@@ -1,56 +1,17 @@
-"""The GPU check script (scripts/gpu_check.py) on a machine without a GPU: it skips cleanly,
-and its check functions run here on CPU tensors, so their logic is tested before any GPU
-host runs them."""
+"""The GPU check's check functions (kvroute.bench.gpu_check) on CPU tensors, so their
+logic is tested before any GPU host runs them. ``kvroute bench gpu-check`` itself, run as a process, is in
+tests/integration/test_gpu_check_script.py."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import gpu_check  # noqa: E402
-import gpu_check_copies  # noqa: E402
-import gpu_check_links  # noqa: E402
+from kvroute.bench.gpu_check import cli as gpu_check
+from kvroute.bench.gpu_check import copies as gpu_check_copies
+from kvroute.bench.gpu_check import links as gpu_check_links
 
 CPU = torch.device("cpu")
-
-
-def run_script(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    output = tmp_path / "report.json"
-    # From another directory: the script finds the repository by itself.
-    done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--output", str(output), *args],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    return done, json.loads(output.read_text())
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the check would run")
-def test_without_cuda_the_script_skips_cleanly(tmp_path):
-    done, report = run_script(tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "skipped: no CUDA device" in done.stdout
-    assert report["status"] == "skipped" and report["reason"] == "no CUDA device"
-    assert report["environment"]["cuda_available"] is False
-
-
-def test_on_the_cpu_the_whole_script_runs_and_every_byte_is_exact(tmp_path):
-    done, report = run_script(tmp_path, "--device", "cpu", "--reps", "5")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert report["status"] == "ok"
-    assert {(row["dtype"], row["block_dim"]) for row in report["copies"]} == {
-        (str(dtype).removeprefix("torch."), dim) for dtype in gpu_check_copies.available_dtypes() for dim in (0, 1)}
-    assert all(row["bit_exact"] for row in report["copies"])
-    link = report["link"]
-    assert link["status"] == "ok" and link["devices"] == ["cpu", "cpu"]
-    assert [row["backend"] for row in link["rows"]] == ["gloo"] * len(gpu_check_links.CPU_LINK_SIZES.frame_sizes)
-    assert all(row["bit_exact"] and row["reps"] == 5 for row in link["rows"])
-    assert "gather GB/s" in done.stdout and "link cpu -> cpu" in done.stdout
 
 
 def test_too_few_repetitions_are_refused():

@@ -220,7 +220,7 @@ def test_release_during_the_copy_is_reported_when_the_copy_stops():
 def test_expiry_during_the_copy_waits_for_it_too():
     table = LeaseTable()
     table.grant(lease("h1", "req-a", expires_at=5.0), staging_bytes=16)
-    assert [l.handle for l in table.expire(now=6.0)] == ["h1"]
+    assert [ended.handle for ended in table.expire(now=6.0)] == ["h1"]
     assert table.take_ended_request_ids() == set()
     table.finish_staging("h1", None)
     assert table.take_ended_request_ids() == {"req-a"}

@@ -1,20 +1,15 @@
-"""scripts/measure_trace.py without a cluster: the family sample it replays, the reuse
+"""``kvroute bench trace`` (kvroute.bench.placement.trace) without a cluster: the family sample it replays, the reuse
 bounds it compares policies with (only the counted requests' share), and its dry run."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import measure_trace  # noqa: E402
-
-from workloads.trace import TraceRecord, TraceScaling  # noqa: E402
+from kvroute.bench.placement import trace as measure_trace
+from workloads.trace import TraceRecord, TraceScaling
 
 # Family 0 comes back twice (its second block shared, then a new tail), family 5 once.
 RECORDS = [TraceRecord(timestamp=0, input_length=1100, output_length=10, hash_ids=[0, 1, 2]),
@@ -67,9 +62,9 @@ def test_a_sample_too_small_to_replay_is_refused():
 
 @pytest.mark.skipif(not measure_trace.DEFAULT_TRACE.exists(), reason="shared/data not present")
 def test_the_simulator_replays_the_same_sample(tmp_path):
-    """scripts/simulate.py --family-fraction with the same settings simulates exactly the
-    requests measure_trace.py sends, so the two can be compared request for request."""
-    import simulate
+    """``kvroute bench simulate --family-fraction`` with the same settings simulates exactly the
+    requests ``kvroute bench trace`` sends, so the two can be compared request for request."""
+    from kvroute.bench.simulation import simulate
 
     args = simulate.parse_args(["--family-fraction", "0.02", "--block-tokens", "32", "--output-scale", "0.1",
                                 "--max-context-tokens", "4096", "--seed", "3"])

@@ -18,7 +18,7 @@ from kvroute.bench.oracle import (
 from workloads.trace import BlockContent, TraceRequest, load_trace
 
 BLOCK = 10
-SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+SYNTHETIC = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def chain(*keys: str, extra_tokens: int = 5) -> OracleRequest:

@@ -13,7 +13,7 @@ from orchestrator.index import PrefixIndex
 from orchestrator.pending_blocks import PendingSettings
 from simulator import EngineConfig, SimCalibration, SimulationSettings, simulate
 from simulator.requests import TokenRequest
-from tests.test_index import BS, FakeEngine, S, tokens
+from tests.fake_engine import BS, FakeEngine, S, tokens
 
 CAPACITY = 1000
 SETTINGS = PendingSettings(max_age_seconds=60.0, settle_grace_seconds=2.0)

@@ -47,7 +47,8 @@ def test_warm_worker_wins_only_while_its_queue_costs_less_than_the_recompute(war
 
 
 def test_warm_worker_over_its_cap_is_reported_when_nothing_else_is_left():
-    decision = decide([worker("p1", cached_blocks=57, in_flight=PlannerSettings().max_in_flight)], [worker("d0", num_free_blocks=0)])
+    at_cap = worker("p1", cached_blocks=57, in_flight=PlannerSettings().max_in_flight)
+    decision = decide([at_cap], [worker("d0", num_free_blocks=0)])
     assert decision.chosen is None
     reasons = {plan.infeasible_reason for plan in decision.alternatives}
     assert any("concurrency cap" in reason for reason in reasons)

@@ -1,20 +1,17 @@
 """Telling a busy worker from a failed one when a wait for a token times out: the
-heartbeat test as a table, the handler with a fake clock, the circuit breaker's view of
-its verdicts, and the worker client's waits over real sockets."""
+heartbeat test as a table, the handler with a fake clock, and the circuit breaker's view of
+its verdicts. The worker client's waits over real sockets are in
+tests/contract/test_worker_client.py."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import zmq
-import zmq.asyncio
 
 from foundation import wire
 from orchestrator.circuit_breaker import counts_against_worker
 from orchestrator.queue_patience import QUEUE_TIMEOUT_CODE, QueuePatience, QueueTimeout, working_through_queue
 from orchestrator.registry import WorkerView
-from orchestrator.worker_client import WorkerClient, WorkerTimeout
+from orchestrator.worker_client import WorkerTimeout
 
 HEARTBEAT_TIMEOUT, STEP_TIMEOUT = 10.0, 60.0
 
@@ -95,41 +92,3 @@ def test_the_timeout_stands_once_the_worker_stops_working():
 def test_a_queue_timeout_is_not_held_against_the_worker_but_a_plain_timeout_is():
     assert not counts_against_worker(QueueTimeout("waited 600 s"))
     assert counts_against_worker(WorkerTimeout("sent nothing in 60 s"))
-
-
-async def test_the_worker_client_waits_on_while_the_handler_says_so():
-    """Over real sockets: a worker that answers after 0.5 s, waits of 0.15 s. Without a
-    handler the first timeout ends the request; with one that returns, the chunk arrives."""
-    context = zmq.asyncio.Context()
-    worker = context.socket(zmq.ROUTER)
-    port = worker.bind_to_random_port("tcp://127.0.0.1")
-    client = WorkerClient(f"tcp://127.0.0.1:{port}", context)
-
-    async def answer(identity: bytes, request_id: str):
-        await asyncio.sleep(0.5)
-        chunk = wire.GenerateChunk(request_id=request_id, token_ids=[7], finished=True)
-        await worker.send_multipart([identity, wire.encode(chunk)])
-
-    async def answer_late():
-        answers = set()
-        while True:
-            identity, frame = await worker.recv_multipart()
-            request = wire.decode(frame)
-            if isinstance(request, wire.GenerateRequest):
-                answers.add(asyncio.create_task(answer(identity, request.request_id)))
-
-    server = asyncio.create_task(answer_late())
-    timeouts: list[WorkerTimeout] = []
-    try:
-        with pytest.raises(WorkerTimeout):
-            [c async for c in client.generate(wire.GenerateRequest(request_id="impatient", prompt_token_ids=[1]),
-                                              timeout=0.15)]
-        chunks = [c async for c in client.generate(wire.GenerateRequest(request_id="patient", prompt_token_ids=[1]),
-                                                   timeout=0.15, on_timeout=timeouts.append)]
-        assert [c.token_ids for c in chunks] == [[7]]
-        assert len(timeouts) >= 2 and all("patient" in str(t) for t in timeouts)
-    finally:
-        server.cancel()
-        await client.close()
-        worker.close(linger=0)
-        context.term()

@@ -1,5 +1,5 @@
 """Per-tenant token buckets (orchestrator.rate_limit), their settings and the key file's
-per-key limits, with a fake clock. The HTTP behaviour is in tests/test_rate_limit_http.py."""
+per-key limits, with a fake clock. The HTTP behaviour is in tests/integration/test_rate_limit_http.py."""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ a silent worker is dropped. Pure: heartbeats in, verdicts and views out, ``now``
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -158,7 +160,7 @@ def test_remove(registry):
 
 def test_views_are_immutable(registry):
     registry.observe(beat(), now=1.0)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         registry.get("w1").role = "decode"  # type: ignore[misc]
 
 

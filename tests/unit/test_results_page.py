@@ -1,20 +1,19 @@
-"""The results page generator (scripts/results_page.py) in quick mode: the page and its plots
+"""The results page generator (``kvroute bench results-page``) in quick mode: the page and its plots
 are written, and every number in its tables is the one in the results JSON beside it."""
 
 from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import results_page  # noqa: E402
+from kvroute.bench.results_page import cli as results_page  # imports matplotlib only when it plots
+from tests.unit.simulated_runs import simulated_repository_run, simulated_trace_run
+from worker.settings import WorkerSettings
 
-from tests.test_validate_simulator import simulated_repository_run, simulated_trace_run  # noqa: E402
+pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +154,7 @@ def test_engine_settings_a_page_did_not_record_take_the_workers_defaults(page, t
     path.write_text(json.dumps(old))
     setup, real = results_page.setup_from_page(path)  # and the real-cluster sections it carries
     for settings in (setup.repository_settings, setup.trace_settings):
-        assert settings.prefill_engine.evict_pulled_first is results_page.WorkerSettings.evict_pulled_first
+        assert settings.prefill_engine.evict_pulled_first is WorkerSettings.evict_pulled_first
         assert settings.stats_at_step_end  # a page with a real run modelled per-step load reports
     assert "evict_pulled_first = True (kvroute's default now; not recorded by" in setup.model
     assert real["real"]["recorded_by"] == str(path) and real["real_trace"] is None
@@ -178,7 +177,7 @@ def test_a_real_trace_run_is_added_to_a_page_without_simulating_again(page, tmp_
     for name in (name for names in report["plots"].values() for name in names):
         assert (tmp_path / "page" / name).read_bytes() == (output / name).read_bytes()
     text = (tmp_path / "page" / "RESULTS.md").read_text()
-    assert "redone by `scripts/results_page.py --from-page" in text
+    assert "redone by `kvroute bench results-page --from-page" in text
     section = sections(text)["The real cluster: trace"]
     run = json.loads(real_run.read_text())
     summaries, targets, validation = tables(section)

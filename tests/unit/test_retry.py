@@ -1,18 +1,14 @@
 """Retries of idempotent worker calls: bounded attempts, exponential backoff with jitter,
 no retry for errors that would only repeat. A fake worker client fails on cue; sleeping
-and randomness are fakes, so the delays are exact."""
+and randomness are fakes, so the delays are exact. The real worker client's retry over
+sockets is in tests/contract/test_worker_client.py."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import zmq
-import zmq.asyncio
 
-from foundation import wire
 from orchestrator.retry import RetryPolicy, with_retries
-from orchestrator.worker_client import WorkerClient, WorkerError, WorkerTimeout, retryable
+from orchestrator.worker_client import WorkerError, WorkerTimeout, retryable
 
 
 class FakeClient:
@@ -85,34 +81,3 @@ def test_the_policy_is_validated():
         RetryPolicy(attempts=0)
     with pytest.raises(ValueError):
         RetryPolicy(jitter=1.5)
-
-
-async def test_the_worker_client_asks_again_after_an_unanswered_stats_request():
-    """Over real sockets: a worker that drops the first request answers the second."""
-    context = zmq.asyncio.Context()
-    worker = context.socket(zmq.ROUTER)
-    port = worker.bind_to_random_port("tcp://127.0.0.1")
-    client = WorkerClient(f"tcp://127.0.0.1:{port}", context,
-                          RetryPolicy(attempts=2, base_delay_seconds=0.01))
-    seen = []
-
-    async def serve_second():
-        while True:
-            identity, frame = await worker.recv_multipart()
-            request = wire.decode(frame)
-            seen.append(request.request_id)
-            if len(seen) == 2:
-                reply = wire.WorkerStats(worker_id="w", role="decode", incarnation="i", load=wire.WorkerLoad(),
-                                         transfer=wire.TransferCounters(), prompt_tokens=wire.PromptTokenCounters(),
-                                         request_id=request.request_id)
-                await worker.send_multipart([identity, wire.encode(reply)])
-
-    server = asyncio.create_task(serve_second())
-    try:
-        stats = await client.stats(timeout=0.3)
-        assert stats.worker_id == "w" and len(set(seen)) == 2  # each attempt has its own request id
-    finally:
-        server.cancel()
-        await client.close()
-        worker.close(linger=0)
-        context.term()

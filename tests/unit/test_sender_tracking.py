@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_send_buffers import FakeTracker, same_storage
+from tests.send_buffer_fakes import FakeTracker, same_storage
 from transfer.transports.base import Sender
 from transfer.transports.settings import LinkOptions
 

@@ -104,7 +104,7 @@ def test_every_worker_is_keyed_as_its_view_would_key_it(seed):
     hashes = job.block_hashes(BS)
     matches = service.index.match(hashes)
     for role in wire.ROLES:
-        pool = service._views(role, hashes, matches, excluded=set())
+        pool = service.worker_views(role, hashes, matches, excluded=set())
         keys, cached = list(pool.load_keys), list(pool.cached_blocks)
         views = list(pool)
         assert keys == [load_key(view) for view in views]
@@ -124,7 +124,7 @@ def test_a_policy_decides_as_it_would_over_every_view_built(policy):
         decision, _ = service.plan(job)
         hashes = job.block_hashes(BS)
         matches = service.index.match(hashes)
-        prefill, decode = (list(service._views(role, hashes, matches, set())) for role in wire.ROLES)
+        prefill, decode = (list(service.worker_views(role, hashes, matches, set())) for role in wire.ROLES)
         eager = twin.decide(service_request(job), prefill, decode,
                             service.calibration.calibrated_model(time.monotonic()))
         assert decision.chosen == eager.chosen and decision.alternatives == eager.alternatives
@@ -139,7 +139,7 @@ def test_the_cache_aware_policy_builds_the_views_of_its_candidates_only():
     job = job_for(rng)
     hashes = job.block_hashes(BS)
     matches = service.index.match(hashes)
-    pools = [service._views(role, hashes, matches, set()) for role in wire.ROLES]
+    pools = [service.worker_views(role, hashes, matches, set()) for role in wire.ROLES]
     prebuilt = sum(pool.num_built for pool in pools)  # those the ledger had to key
     decision = service.policies["cache_aware"].decide(service_request(job), *pools,
                                                       service.calibration.calibrated_model(time.monotonic()))

@@ -6,12 +6,10 @@ import heapq
 import importlib
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 import simulator.events
-from foundation import identity
 from orchestrator.planner.candidates import load_key
 from orchestrator.planner.cost_model import DEFAULT_PREFILL, prefill_seconds_with
 from orchestrator.planner.policies import POLICIES
@@ -23,12 +21,11 @@ from simulator.events import EventQueue, TimeWentBackwards
 from simulator.loop import AdmissionSettings
 from simulator.records import FINISHED, REJECTED
 from simulator.requests import TokenRequest, replay_requests
-from simulator.sequence import EngineRequest, RequestState
+from simulator.sequence import RequestState
+from tests.unit.sim_requests import BLOCK, SYNTHETIC, engine_request, tokens
 from workloads import RepositoryAssistantConfig, generate_workload
 from workloads.trace import TraceScaling, load_trace
 
-SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-BLOCK = 16
 SMALL_ENGINE = EngineConfig(num_blocks=600, block_size=BLOCK)  # room for ~1 long prompt: evictions, preemptions
 SMALL = SimulationSettings(prefill_engine=SMALL_ENGINE, decode_engine=SMALL_ENGINE)
 
@@ -39,14 +36,6 @@ def trace():
     if not SYNTHETIC.exists():
         pytest.skip("shared/data not present")
     return load_trace(SYNTHETIC, TraceScaling(block_tokens=32, time_scale=0.01), limit=80)
-
-
-def tokens(label: int, count: int) -> list[int]:
-    return [1000 + label * 10_000 + i for i in range(count)]
-
-
-def engine_request(request_id: str, token_ids: list[int], max_tokens: int = 1, **fields) -> EngineRequest:
-    return EngineRequest(request_id, token_ids, identity.block_hashes(token_ids, BLOCK, None), max_tokens, **fields)
 
 
 def run_engine(engine: Engine, max_steps: int = 10_000) -> int:

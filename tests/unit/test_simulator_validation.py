@@ -16,7 +16,8 @@ from simulator.fleet import ActiveStep, SimWorker
 from simulator.from_replay import calibration_from_replay, cluster_from_replay, failed_pulls, fit_link, nonnegative_line
 from simulator.records import FINISHED, REJECTED
 from simulator.requests import TokenRequest
-from tests.test_simulator import engine_request, tokens
+from tests.unit.sim_requests import SYNTHETIC, engine_request, tokens
+from workloads.trace import TraceScaling, load_trace
 
 CALIBRATION = SimCalibration()
 ENGINE = EngineConfig(num_blocks=600, block_size=16)
@@ -282,8 +283,6 @@ def test_the_cluster_and_its_core_binding_come_from_the_labels(replay):
 
 @pytest.fixture(scope="module")
 def trace():
-    from tests.test_simulator import SYNTHETIC
-    from workloads.trace import TraceScaling, load_trace
     if not SYNTHETIC.exists():
         pytest.skip("shared/data not present")
     return load_trace(SYNTHETIC, TraceScaling(block_tokens=32, time_scale=0.01), limit=80)

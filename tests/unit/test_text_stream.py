@@ -16,7 +16,7 @@ def codec() -> TextCodec:
 
 
 def ids_of(codec: TextCodec, text: str) -> list[int]:
-    return codec.tokenizer.encode(text, add_special_tokens=False)
+    return codec.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def one_by_one(stream: TextStream, token_ids: list[int]) -> list[str]:
@@ -56,7 +56,8 @@ def test_chunked_pushes_match_decode(codec, text, chunk_size):
 
 
 def test_special_tokens_are_skipped(codec):
-    special = [codec.tokenizer.bos_token_id, codec.eos_token_id, codec.tokenizer.unk_token_id]
+    special = [codec.tokenizer.token_to_id(codec.special_tokens[name]) for name in ("bos_token", "unk_token")]
+    special.append(codec.eos_token_id)
     token_ids = ([codec.eos_token_id] + ids_of(codec, "Hi") + special + ids_of(codec, " there 🙂")
                  + [codec.eos_token_id])
     expected = codec.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -208,11 +209,11 @@ def test_encode_chat_applies_template(codec):
                 {"role": "user", "content": "What is the capital of France?"}]
     token_ids = codec.encode_chat(messages)
     assert all(isinstance(t, int) for t in token_ids)
-    text = codec.tokenizer.decode(token_ids)
+    text = codec.tokenizer.decode(token_ids, skip_special_tokens=False)
     assert "Be terse." in text
     assert "What is the capital of France?" in text
-    header = codec.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert header[0] == codec.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    header = codec.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
+    assert header[0] == codec.tokenizer.token_to_id("<|im_start|>")
     assert token_ids[-len(header):] == header
     assert text.endswith("<|im_start|>assistant\n")
     # The user's text is a run of its own tokens inside the prompt.
@@ -252,3 +253,32 @@ def test_check_token_ids_rejects_ids_outside_the_vocabulary(codec, bad):
     offending = [t for t in bad if not 0 <= t < codec.vocab_size]
     assert str(offending) in str(info.value)
     assert str(codec.vocab_size - 1) in str(info.value)
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Germany?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 🙂"},
+     {"role": "user", "content": "日本語で答えて\n\n  with  spaces "}],
+]
+
+
+@pytest.fixture(scope="module")
+def reference(codec):
+    """transformers' own tokenizer of the same model, which the router matches without torch."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(resolve_model(None))
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_ids_match_transformers(codec, reference, messages):
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert codec.encode_chat(messages) == list(expected)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_ids_match_transformers(codec, reference, text):
+    assert codec.encode_text(text) == list(reference(text)["input_ids"])
+    assert codec.vocab_size == len(reference) and codec.eos_token_id == reference.eos_token_id
+

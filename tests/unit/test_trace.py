@@ -21,7 +21,7 @@ from workloads.trace import (
     scale_trace,
 )
 
-SYNTHETIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+SYNTHETIC = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
 # Two requests share blocks 0 and 1; the third shares only block 0; the fourth nothing.
 TINY = [

@@ -145,8 +145,9 @@ PULL_BLOCKS_HEX = (
     + "a4686f7374" "a0"  # host: ""
 )
 
-PULL_HEADER_SHARED = wire.PullHeader(ok=True, num_blocks=2, num_layers=30,
-                                     shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5))
+PULL_HEADER_SHARED = wire.PullHeader(
+    ok=True, num_blocks=2, num_layers=30,
+    shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5))
 PULL_HEADER_SHARED_HEX = (
     "86"
     "a474797065" "ab70756c6c5f686561646572"  # type: "pull_header"

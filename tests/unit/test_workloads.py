@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from tests.unit.workload_text import shares_substring
 from workloads import (
     RepositoryAssistantConfig,
     WorkloadRequest,
@@ -19,12 +20,6 @@ from workloads import (
 )
 
 SMALL = RepositoryAssistantConfig(repositories=6, requests=60, rate=2.0, seed=7)
-
-
-def shares_substring(a: str, b: str, length: int) -> str | None:
-    """A substring of ``length`` characters found in both, or None."""
-    windows = {a[i:i + length] for i in range(len(a) - length + 1)}
-    return next((b[i:i + length] for i in range(len(b) - length + 1) if b[i:i + length] in windows), None)
 
 
 def test_same_seed_same_workload():

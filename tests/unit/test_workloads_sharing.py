@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 
 from foundation import identity
 from simulator.requests import pseudo_chat_tokens
-from tests.test_workloads import shares_substring
+from tests.unit.workload_text import shares_substring
 from workloads import (
     BatchConfig,
     GeneratedSharedPrefixConfig,

@@ -1,0 +1,28 @@
+"""Every ``kvroute bench`` sub-command beside ``transfer`` and ``replay``, in the order
+``kvroute bench --help`` lists them, each the ``COMMAND`` of its module."""
+
+from __future__ import annotations
+
+import importlib
+
+MODULES = (
+    "kvroute.bench.placement.repository",  # placement
+    "kvroute.bench.placement.trace",  # trace
+    "kvroute.bench.disagg.cli",  # disagg
+    "kvroute.bench.overhead.cli",  # orchestrator
+    "kvroute.bench.transports",  # transports
+    "kvroute.bench.load",  # load
+    "kvroute.bench.core_sharing",  # core-sharing
+    "kvroute.bench.planner",  # planner
+    "kvroute.bench.index.cli",  # index
+    "kvroute.bench.simulation.simulate",  # simulate
+    "kvroute.bench.simulation.scale",  # simulate-scale
+    "kvroute.bench.simulation.validate",  # validate-simulator
+    "kvroute.bench.results_page.cli",  # results-page
+    "kvroute.bench.gpu_check.cli",  # gpu-check
+)
+
+
+def add_cli(bench_commands) -> None:
+    for name in MODULES:
+        importlib.import_module(name).COMMAND.register(bench_commands)

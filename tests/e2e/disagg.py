@@ -1,0 +1,60 @@
+"""Prompts and checks of the disaggregated path on real engines, shared by the tests that
+run it over the transfer endpoint (test_integration_disagg) and over a link
+(test_integration_links)."""
+
+from __future__ import annotations
+
+import math
+
+from foundation import wire
+from tests.cluster import Clients, wait_idle
+
+GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
+TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
+          "the rules of chess", "the water cycle", "how compilers work", "the migration of birds"]
+# Approximate prompt lengths in tokens: below one block (128) up to more than six blocks.
+REPEATS = [1, 6, 10, 14, 25, 40, 60, 85]
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def question(index: int) -> list[dict]:
+    topic = TOPICS[index]
+    filler = f"Please explain {topic} in detail. " * REPEATS[index]
+    return [{"role": "user", "content": f"Question {index} about {topic}. {filler}"}]
+
+
+async def transfer_delta(clients: Clients, run):
+    before = (await clients.prefill.stats(), await clients.decode.stats())
+    result = await run()
+    after = (await wait_idle(clients.prefill), await wait_idle(clients.decode))
+    return result, before, after
+
+
+def assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> None:
+    producer_before, consumer_before = before
+    producer_after, consumer_after = after
+    bytes_per_block = consumer_after.load.bytes_per_block
+    block_size = consumer_after.load.block_size
+    local_hit = consumer_after.prompt_tokens.local_cache_hit - consumer_before.prompt_tokens.local_cache_hit
+    blocks_moved = consumer_after.transfer.blocks_received - consumer_before.transfer.blocks_received
+    bytes_moved = consumer_after.transfer.bytes_received - consumer_before.transfer.bytes_received
+    external = (consumer_after.prompt_tokens.external_kv_transfer
+                - consumer_before.prompt_tokens.external_kv_transfer)
+    prompt_tokens = record.pull_source.num_tokens
+    assert blocks_moved == math.ceil(prompt_tokens / block_size) - local_hit // block_size
+    assert bytes_moved == blocks_moved * bytes_per_block
+    # The decode worker reports this request's own pull, as its connector timed it.
+    assert record.transfer is not None and record.transfer.ok
+    assert record.transfer.num_bytes == bytes_moved and record.transfer.seconds > 0
+    assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
+    # Both workers run on this host, so the blocks came from the producer's shared copy
+    # (transfer.shared_copies) unless the consumer was started with --no-shared-copies.
+    shared_pulls = consumer_after.transfer.shared_pulls - consumer_before.transfer.shared_pulls
+    assert shared_pulls == (int(blocks_moved > 0) if shared else 0)
+    # vLLM's own accounting: every prompt token not found locally came from the transfer.
+    assert external == prompt_tokens - local_hit
+    assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
