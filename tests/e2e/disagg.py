@@ -1,6 +1,6 @@
 """Prompts and checks of the disaggregated path on real engines, shared by the tests that
-run it over the transfer endpoint (test_integration_disagg) and over a link
-(test_integration_links)."""
+run it over the transfer endpoint (test_disagg) and over a link
+(test_links)."""
 
 from __future__ import annotations
 
