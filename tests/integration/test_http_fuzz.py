@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundation.model_prep import resolve_model
-from testing.stack import SyntheticStack
+from testing.stack import running_synthetic_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -24,14 +24,11 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(Heal
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    stack = SyntheticStack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
-                           ["--policy", "cache_aware", "--max-model-len", "2048"], token_seconds=0.0005)
-    try:
-        stack.wait_healthy(300)
-        with httpx.Client(base_url=stack.url, timeout=30) as client:
-            yield client
-    finally:
-        stack.stop()
+    with running_synthetic_stack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
+                                 ["--policy", "cache_aware", "--max-model-len", "2048"], token_seconds=0.0005,
+                                 roles=("prefill", "decode")) as stack, \
+            httpx.Client(base_url=stack.url, timeout=30) as client:
+        yield client
 
 
 scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) \

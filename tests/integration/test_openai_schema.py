@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from foundation.model_prep import resolve_model
-from testing.stack import SyntheticStack
+from testing.stack import running_synthetic_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 5}
@@ -59,14 +59,11 @@ def check(components: dict, schema_name: str, instance: dict) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    stack = SyntheticStack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
-                           ["--max-model-len", "2048"], token_seconds=0.0005)
-    try:
-        stack.wait_healthy(300)
-        with httpx.Client(base_url=stack.url, timeout=30) as client:
-            yield client
-    finally:
-        stack.stop()
+    with running_synthetic_stack(resolve_model(None), tmp_path_factory.mktemp("logs") / "stack.log",
+                                 ["--max-model-len", "2048"], token_seconds=0.0005,
+                                 roles=("prefill", "decode")) as stack, \
+            httpx.Client(base_url=stack.url, timeout=30) as client:
+        yield client
 
 
 def sse_events(response: httpx.Response) -> list[dict]:
