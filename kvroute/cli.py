@@ -34,13 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench_commands(commands) -> None:
     from kvroute.bench import commands as measurements
-    from kvroute.bench import replay_cli, transfer_bench
 
     bench = commands.add_parser("bench", help="benchmarks that write JSON and PNG reports")
-    bench_commands = bench.add_subparsers(dest="bench", required=True)
-    transfer_bench.add_cli(bench_commands)
-    replay_cli.add_cli(bench_commands)
-    measurements.add_cli(bench_commands)
+    measurements.add_cli(bench.add_subparsers(dest="bench", required=True))
 
 
 def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
-"""Every ``kvroute bench`` sub-command beside ``transfer`` and ``replay``, in the order
-``kvroute bench --help`` lists them, each the ``COMMAND`` of its module."""
+"""Every ``kvroute bench`` sub-command, in the order ``kvroute bench --help`` lists them:
+``transfer`` and ``replay`` (settings objects of their own, ``add_cli``), then each
+measurement module's ``COMMAND``."""
 
 from __future__ import annotations
 
@@ -24,5 +25,9 @@ MODULES = (
 
 
 def add_cli(bench_commands) -> None:
+    from kvroute.bench import replay_cli, transfer_bench
+
+    transfer_bench.add_cli(bench_commands)
+    replay_cli.add_cli(bench_commands)
     for name in MODULES:
         importlib.import_module(name).COMMAND.register(bench_commands)
