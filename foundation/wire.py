@@ -186,7 +186,15 @@ class WorkerStats(_Message, tag="worker_stats"):
     transfer_fresh: bool = True  # False: the transfer endpoint was slow; counters are the last seen
 
 
-ROLES = ("prefill", "decode")  # a worker's role, as heartbeats and settings spell it
+ROLES = ("prefill", "decode", "unified")  # a worker's role, as heartbeats and settings spell it
+# The planner's two pools: workers that prefill prompts, and workers that decode them. A
+# unified worker's one engine does both, so it is in both pools.
+POOLS = ("prefill", "decode")
+
+
+def serves(role: str, pool: str) -> bool:
+    """Whether a worker of ``role`` belongs to the planner's ``pool``."""
+    return role == pool or role == "unified"
 
 
 class PrefillProbe(msgspec.Struct, forbid_unknown_fields=False):

@@ -14,8 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware, disaggregated LLM serving.")
     commands = parser.add_subparsers(dest="command", required=True)
     model_prep.add_cli(commands)
-    for role in ("prefill", "decode"):
-        sub = commands.add_parser(f"{role}-worker", help=f"run one {role} worker (a vLLM engine)")
+    for role, what in (("prefill", "a vLLM engine that prefills prompts"),
+                       ("decode", "a vLLM engine that decodes, pulling prompts' KV from prefill workers"),
+                       ("unified", "a vLLM engine that prefills and decodes, and lends or pulls KV")):
+        sub = commands.add_parser(f"{role}-worker", help=f"run one {role} worker ({what})")
         worker_cli.add_worker_arguments(sub)
         sub.set_defaults(func=lambda args, role=role: _run_worker(args, role))
     orchestrator = commands.add_parser("orchestrator", help="run the orchestrator (OpenAI API + registry)")

@@ -2,8 +2,8 @@
 
 ::
 
-    prepare model ─▶ start HTTP API + registry ─▶ launch N prefill + M decode workers
-        ─▶ wait until every worker registered ─▶ print the URL ─▶ serve until Ctrl-C/SIGTERM
+    prepare model ─▶ start HTTP API + registry ─▶ pick the topology (``kvroute.topology``)
+        ─▶ launch its workers ─▶ wait until every worker registered ─▶ print the URL ─▶ serve until Ctrl-C/SIGTERM
         ─▶ stop the API, then SIGTERM every worker (SIGKILL stragglers): no orphans
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import tempfile
 from dataclasses import dataclass, replace
@@ -25,6 +24,17 @@ from foundation.config import setting
 from foundation.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
 from foundation.model_prep import resolve_model
 from foundation.netutil import free_port
+from foundation.wire import ROLES
+from kvroute.topology import (
+    AUTO,
+    DEFAULT_CORES_PER_ENGINE,
+    Engine,
+    Topology,
+    gpu_count,
+    parse_spec,
+    plan_topology,
+    usable_cores,
+)
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import ENDPOINT, check_transfer_link
@@ -35,10 +45,14 @@ logger = logging.getLogger("kvroute.serve")
 
 @dataclass(frozen=True)
 class PoolSettings:
-    prefill_workers: int = setting(1, "prefill workers to start")
-    decode_workers: int = setting(1, "decode workers to start")
+    topology: str = setting(AUTO, "the workers to start: auto (picked from the machine; docs/topology.md), or "
+                                  "counts and roles such as 1u, 2u, 2p1d, 1p1d1u (p: prefill, d: decode, "
+                                  "u: unified, one engine that does both)")
+    cores_per_engine: int = setting(DEFAULT_CORES_PER_ENGINE, "auto on CPUs: one engine per this many cores")
     # 0.5 GiB holds 8192 tokens of SmolLM2 in float32 (46,080 bytes a token), the default max_model_len.
     kv_cache_gib: float = setting(0.5, "each worker's KV cache in GiB, fractions allowed")
+    total_kv_gib: float = setting(0.0, "the KV cache of all workers together in GiB, split evenly between "
+                                       "them; 0: --kv-cache-gib each")
     dtype: str = setting("auto", "engine dtype of the workers; auto: bfloat16 where the hardware has "
                                  "bf16 instructions (GPUs, AVX512-BF16/AMX CPUs), else float32")
     worker_start_timeout: float = setting(600.0, "seconds to wait for the workers to register")
@@ -57,35 +71,44 @@ class PoolSettings:
                                           "the prompt itself")
 
     def __post_init__(self):
-        if self.prefill_workers < 1 or self.decode_workers < 1:
-            raise ValueError("need at least one prefill and one decode worker")
+        if self.topology.strip().lower() != AUTO:
+            parse_spec(self.topology)  # a bad spec fails here, before anything starts
+        if self.cores_per_engine < 1:
+            raise ValueError("cores_per_engine must be at least 1")
+        if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
+            raise ValueError("KV cache sizes must be positive")
         check_transfer_link(self.transfer_link)
 
 
-def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, core: int) -> list[str]:
-    return ["--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(pool.kv_cache_gib),
+def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, engine: Engine) -> list[str]:
+    return ["--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(engine.kv_cache_gib),
             "--max-model-len", str(orchestrator.max_model_len), "--transfer-link", pool.transfer_link,
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
-            # Engines sharing a machine get a core each, not all of them each.
-            "--omp-threads-bind", str(core), "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
+            # Engines sharing a machine get cores of their own, not all of them each.
+            *(["--omp-threads-bind", engine.cores] if engine.cores else []),
+            "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
             *([] if pool.shared_copies else ["--no-shared-copies"]),
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"])]
 
 
-def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str) -> list[LaunchedWorker]:
+def machine_topology(pool: PoolSettings) -> Topology:
+    return plan_topology(pool.topology, cores=usable_cores(), gpus=gpu_count(), kv_cache_gib=pool.kv_cache_gib,
+                         total_kv_gib=pool.total_kv_gib, cores_per_engine=pool.cores_per_engine)
+
+
+def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str,
+                topology: Topology) -> list[LaunchedWorker]:
     log_dir = Path(pool.log_dir or tempfile.mkdtemp(prefix="kvroute-serve-"))
-    roles = ["prefill"] * pool.prefill_workers + ["decode"] * pool.decode_workers
-    cores = os.cpu_count() or 1
-    workers = [launch_worker(role, worker_args(pool, orchestrator, model, i % cores), log_dir)
-               for i, role in enumerate(roles)]
+    workers = [launch_worker(engine.role, worker_args(pool, orchestrator, model, engine), log_dir,
+                             env=None if engine.gpu is None else {"CUDA_VISIBLE_DEVICES": str(engine.gpu)})
+               for engine in topology.engines]
     logger.info("launched %d workers; logs in %s", len(workers), log_dir)
     return workers
 
 
 async def wait_registered(app, workers: list[LaunchedWorker], timeout: float) -> None:
     fleet = app.state.fleet
-    expected = {"prefill": sum(w.role == "prefill" for w in workers),
-                "decode": sum(w.role == "decode" for w in workers)}
+    expected = {role: sum(w.role == role for w in workers) for role in ROLES}
     deadline = asyncio.get_running_loop().time() + timeout
     while any(len(fleet.live(role)) < count for role, count in expected.items()):
         for worker in workers:
@@ -125,7 +148,12 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
             await asyncio.sleep(0.1)
         if api.done():
             return
-        workers = launch_pool(pool, orchestrator, model)
+        topology = machine_topology(pool)
+        app.state.topology = topology.describe()
+        logger.info("topology %s (%s): %s", topology.spec, topology.reason,
+                    ", ".join(f"{e.role} on {f'GPU {e.gpu}' if e.gpu is not None else f'cores {e.cores}'} with "
+                              f"{e.kv_cache_gib:g} GiB of KV" for e in topology.engines))
+        workers = launch_pool(pool, orchestrator, model, topology)
         if not await _race(api, wait_registered(app, workers, pool.worker_start_timeout)):
             return  # stopped (Ctrl-C) while the workers were starting
         print(f"kvroute is serving at http://{orchestrator.host}:{orchestrator.port}/v1 "

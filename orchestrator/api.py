@@ -78,15 +78,18 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
     @public.get("/health")
     async def health():
         fleet = service.fleet
-        body = {"prefill_workers": len(fleet.live("prefill")), "decode_workers": len(fleet.live("decode"))}
+        body = {f"{role}_workers": len(fleet.live(role)) for role in wire.ROLES}
         return JSONResponse({"status": "ok" if fleet.can_serve() else "unavailable", **body},
                             status_code=200 if fleet.can_serve() else 503)
 
     @router.get("/admin/workers")
-    async def workers():
-        """Workers in rotation, then draining ones (operators, tests, dashboards)."""
+    async def workers(request: Request):
+        """Workers in rotation, then draining ones (operators, tests, dashboards); and the
+        topology ``kvroute serve`` chose, where it started them."""
         model = service.calibration.calibrated_model(time.monotonic())
-        return {"workers": describe_workers(service.fleet, service.index, model.prefill_speed)}
+        body = {"workers": describe_workers(service.fleet, service.index, model.prefill_speed)}
+        topology = getattr(request.app.state, "topology", None)
+        return body if topology is None else {**body, "topology": topology}
 
     @router.post("/admin/reset-cache")
     async def reset_cache(role: str | None = None):

@@ -29,7 +29,10 @@ class Feedback:
         self.calibration = calibration
         self.metrics = metrics
 
-    def observe(self, plan: Plan, record: DecisionRecord, idle_at_start: bool) -> None:
+    def observe(self, plan: Plan, record: DecisionRecord, idle_at_start: bool,
+                prefilling_role: str | None = None) -> None:
+        """``prefilling_role``: the role of the worker that prefilled, whose timings calibrate
+        that class of worker (None: the worker left; its pool's role by the plan's kind)."""
         prefilling = plan.prefill_worker if plan.kind is PlanKind.DISAGG else plan.decode_worker
         if record.index_overestimated():
             self.metrics.index_mispredictions.labels(prefilling).inc()
@@ -49,7 +52,7 @@ class Feedback:
                                           actual.transfer_seconds)
         shared_cores = plan.estimate is not None and plan.estimate.contention > 0
         if idle_at_start and not shared_cores and actual.ttft is not None and actual.reused_tokens is not None:
-            role = "prefill" if plan.kind is PlanKind.DISAGG else "decode"
+            role = prefilling_role or ("prefill" if plan.kind is PlanKind.DISAGG else "decode")
             new_tokens = record.prompt_tokens - actual.reused_tokens
             self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling,
                                              now=now)

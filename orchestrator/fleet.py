@@ -75,6 +75,11 @@ class Fleet:
         return [w for w in self.registry.live(role)
                 if self._reachable(w.worker_id) and not w.draining and self.breakers.allows(w.worker_id, now)]
 
+    def pool(self, pool: str) -> list[WorkerView]:
+        """The live workers of the planner's ``pool`` (``wire.POOLS``): those of that role,
+        and the unified workers, which are in both."""
+        return [w for role in wire.ROLES if wire.serves(role, pool) for w in self.live(role)]
+
     def draining(self, role: str) -> list[WorkerView]:
         """Reachable workers that are draining: out of planning, finishing what they have.
         One that stopped leaves this list when its connection drops."""
@@ -91,7 +96,7 @@ class Fleet:
         return self._in_flight.get(worker_id, 0)
 
     def can_serve(self) -> bool:
-        return bool(self.live("prefill")) and bool(self.live("decode"))
+        return all(self.pool(pool) for pool in wire.POOLS)
 
     def track(self, worker_id: str, delta: int) -> None:
         # Requests started before a worker was dropped and re-registered still finish

@@ -9,6 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from foundation import wire
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -90,7 +92,7 @@ class Metrics:
 
     def refresh_fleet(self, fleet, index) -> None:
         """Gauges read from the fleet and the index when /metrics is scraped."""
-        for role in ("prefill", "decode"):
+        for role in wire.ROLES:
             workers = fleet.live(role)
             self.workers.labels(role).set(len(workers))
             self.draining_workers.labels(role).set(len(fleet.draining(role)))

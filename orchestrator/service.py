@@ -177,18 +177,18 @@ class CompletionService:
         sizes = (w.load.block_size for role in wire.ROLES for w in self.fleet.live(role))
         return next((size for size in sizes if size), DEFAULT_BLOCK_SIZE)
 
-    def worker_views(self, role: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
+    def worker_views(self, pool: str, block_hashes: list[identity.BlockHash], matches: dict[str, int],
                      excluded: set[str]) -> LazyPool:
-        """The live workers of ``role`` (less ``excluded``) as ``plan`` shows them to a policy:
+        """The live workers of ``pool`` (``wire.POOLS``; less ``excluded``) as ``plan`` shows them to a policy:
         views built as the policy reads them (``orchestrator.planner.pools``), for a prompt of
         ``block_hashes`` whose cached blocks per worker are ``matches`` (``PrefixIndex.match``).
         A worker whose heartbeat the ledger has nothing to correct for is keyed by its
         heartbeat alone; the others' views are built now, as their keys need the ledger."""
-        workers = [w for w in self.fleet.live(role) if w.worker_id not in excluded]
+        workers = [w for w in self.fleet.pool(pool) if w.worker_id not in excluded]
         cached = [matches.get(w.worker_id, 0) for w in workers]
 
         def build(position: int) -> WorkerView:
-            return self._view(workers[position], role, block_hashes, cached[position])
+            return self._view(workers[position], block_hashes, cached[position])
 
         built, load_keys = {}, []
         for position, worker in enumerate(workers):
@@ -208,7 +208,7 @@ class CompletionService:
         views = with_core_neighbours([*prefill, *decode], bindings)
         return views[:len(prefill)], views[len(prefill):]
 
-    def _view(self, worker, role: str, block_hashes: list[identity.BlockHash], matched: int) -> WorkerView:
+    def _view(self, worker, block_hashes: list[identity.BlockHash], matched: int) -> WorkerView:
         load, now = worker.load, time.monotonic()
         reported = QueuedWork(load.num_waiting, load.num_queued_prefill_tokens, load.queued_prefill,
                               head_age=load.head_prompt_age + max(0.0, now - worker.last_seen))
@@ -216,7 +216,7 @@ class CompletionService:
         block_size = load.block_size or DEFAULT_BLOCK_SIZE
         followable = followable_blocks(self.index, worker.worker_id, block_hashes, matched,
                                        tuple(queued.per_request or ()), load.prompt_step_cap, block_size)
-        return WorkerView(worker_id=worker.worker_id, role=role,
+        return WorkerView(worker_id=worker.worker_id, role=worker.role,
                           num_running=self.fleet.ledger.running(worker.worker_id, load.num_running),
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
                           num_free_blocks=self.fleet.ledger.free_blocks(worker.worker_id, load.num_free_blocks,
@@ -399,5 +399,6 @@ class CompletionService:
             actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
         if client_facing:
             self.metrics.observe_request(job, plan, handoff, record)
-        self.feedback.observe(plan, record, idle_at_start)
+        prefilling = self.fleet.registry.get(plan.prefill_worker or plan.decode_worker)
+        self.feedback.observe(plan, record, idle_at_start, prefilling.role if prefilling else None)
         self.decisions.finish(record)

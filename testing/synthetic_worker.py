@@ -208,7 +208,7 @@ class SyntheticWorker:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="A kvroute worker with a synthetic engine (benchmarks, load tests).")
-    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--role", choices=wire.ROLES, required=True)
     parser.add_argument("--model", required=True, help="model folder whose fingerprint the worker reports")
     parser.add_argument("--orchestrator", action="append", required=True, help="registration address; repeatable")
     parser.add_argument("--worker-id", default="", help="default: role and a random suffix")

@@ -16,7 +16,8 @@ from worker.settings import WorkerSettings
 
 logger = logging.getLogger("kvroute.worker.engine")
 
-KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# A unified worker's engine both lends its prompts' blocks and pulls the ones it lacks.
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "unified": "kv_both"}
 KV_EVENTS_TOPIC = "kv-events"
 
 

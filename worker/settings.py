@@ -18,7 +18,7 @@ PREFILL_LONG_PREFILL_TOKENS = 256
 def default_long_prefill_tokens(role: str) -> int:
     """The per-request step cap a worker of ``role`` gives its engine unless told otherwise
     (see ``WorkerSettings.long_prefill_step_tokens``)."""
-    return DECODE_LONG_PREFILL_TOKENS if role == "decode" else PREFILL_LONG_PREFILL_TOKENS
+    return PREFILL_LONG_PREFILL_TOKENS if role == "prefill" else DECODE_LONG_PREFILL_TOKENS
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from foundation import wire
 from foundation.kv_events import StoredBlockRecord
 from kvroute.bench.command import Command
 from orchestrator.decisions import DecisionLog
+from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.planner.calibration import Calibration
@@ -64,6 +65,8 @@ class InMemoryFleet:
 
     def live(self, role: str):
         return self.registry.live(role)
+
+    pool = Fleet.pool  # the planner's pools, from ``live``, as the real fleet forms them
 
     def in_flight(self, worker_id: str) -> int:
         return 0
@@ -113,7 +116,7 @@ def build_fleet(size: int, prefix_tokens: int, rng: random.Random) -> tuple[Comp
         for worker_id in holders:
             held.setdefault(worker_id, []).extend(snapshot(worker_id, prefix))
     now = time.monotonic()
-    for role in wire.ROLES:
+    for role in wire.POOLS:
         for i in range(size):
             worker_id = f"{role}-{i}"
             load = wire.WorkerLoad(num_running=rng.randint(0, 6), num_waiting=rng.randint(0, 2),
@@ -167,7 +170,7 @@ def views_read(service: CompletionService, job: Job) -> int:
     """How many views the policy built deciding ``job`` (both pools)."""
     hashes = job.block_hashes(BLOCK_SIZE)
     matches = service.index.match(hashes)
-    pools = [service.worker_views(role, hashes, matches, set()) for role in wire.ROLES]
+    pools = [service.worker_views(role, hashes, matches, set()) for role in wire.POOLS]
     request = RequestView(job.request_id, len(job.prompt_token_ids), job.sampling.max_tokens, BLOCK_SIZE)
     service.policies[job.policy].decide(request, *pools, service.calibration.calibrated_model(time.monotonic()))
     return sum(pool.num_built for pool in pools)

@@ -1,6 +1,8 @@
 """Baseline policies, beside the cache-aware planner so every benchmark can compare them.
 
-All of them prefill on a prefill worker and decode on a decode worker (DISAGG), skip
+All of them prefill on a prefill worker and decode on a decode worker (DISAGG), or, where
+the worker they pick to prefill is a unified one, serve the request there (LOCAL), as the
+routers they imitate serve it on one aggregated replica. They skip
 workers that cannot take the request when any other can, and fill the plan's estimate
 with the same cost model, so decision records line up. Like the routers they imitate,
 they route even when no worker has room: the plan is then marked infeasible, with the
@@ -19,11 +21,12 @@ from orchestrator.planner.plans import (
     describe,
     disagg_plan,
     held_blocks,
+    local_plan,
     prefill_worker_problem,
     prompt_blocks,
 )
 from orchestrator.planner.settings import PlannerSettings
-from orchestrator.planner.views import Decision, RequestView, WorkerView
+from orchestrator.planner.views import UNIFIED, Decision, RequestView, WorkerView
 
 Pick = Callable[[list[WorkerView]], tuple[WorkerView, str]]  # a worker and why
 
@@ -38,9 +41,13 @@ def baseline_decision(name: str, request: RequestView, prefill: list[WorkerView]
     if not prefill or not decode:
         return Decision(name, None, (), "no feasible plan: no prefill or decode worker available")
     source, why_source = pick_prefill(able_or_all(prefill, lambda w: prefill_worker_problem(w, settings)))
-    sink, why_sink = pick_decode(able_or_all(decode, decode_problem_for(request, settings)))
-    plan = disagg_plan(request, source, sink, model, settings)
-    reason = f"{describe(plan)}: {why_source}; {why_sink}"
+    if source.role == UNIFIED:
+        plan = local_plan(request, source, model, settings)
+        reason = f"{describe(plan)}: {why_source}; a unified worker decodes what it prefills"
+    else:
+        sink, why_sink = pick_decode(able_or_all(decode, decode_problem_for(request, settings)))
+        plan = disagg_plan(request, source, sink, model, settings)
+        reason = f"{describe(plan)}: {why_source}; {why_sink}"
     if not plan.feasible:
         reason += f"; routed anyway: {plan.infeasible_reason}"
     return Decision(name, plan, (plan,), reason)

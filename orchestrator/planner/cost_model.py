@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from orchestrator.planner.views import WorkerView
+from orchestrator.planner.views import UNIFIED, WorkerView
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class LinkEstimate:
 DEFAULT_PREFILL = PrefillCoefficients(fixed_seconds=0.05, per_token_seconds=3.1e-4, attention_seconds=1.2e-7)
 DEFAULT_LINK = LinkEstimate(bandwidth_bytes_per_second=3e9, latency_seconds=0.001)
 DEFAULT_DECODE_STEP_SECONDS = 0.020
+DECODING_ROLES = ("decode", UNIFIED)  # the roles whose engines decode, stepping while requests run
 # Each request already running on a worker shares the forward passes a new prefill needs;
 # on CPU one more sequence in the batch costs roughly a quarter of a 20 ms step.
 DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE = 0.005
@@ -212,7 +213,7 @@ def neighbour_busy_seconds(model: CostModel, neighbour: WorkerView) -> float:
     include those this orchestrator sent that its heartbeat does not show yet, and those
     still prefilling elsewhere: they start decoding there within a prefill's time. Any
     other engine is busy until its queued prefills are done."""
-    if neighbour.role == "decode" and active_requests(neighbour) > 0:
+    if neighbour.role in DECODING_ROLES and active_requests(neighbour) > 0:
         return math.inf
     return queued_prefill_seconds(model, neighbour)
 

@@ -65,9 +65,11 @@ def plan_request(request: RequestView, prefill: list[WorkerView], decode: list[W
 
 def enumerate_plans(request: RequestView, prefill: list[WorkerView], decode: list[WorkerView],
                     model: CostModel, settings: PlannerSettings) -> list[Plan]:
-    """Every LOCAL plan on a decode candidate, then every prefill x decode DISAGG pair."""
+    """Every LOCAL plan on a decode candidate, then every prefill x decode DISAGG pair of two
+    workers (a unified worker is in both pools; prefilling for itself is its LOCAL plan)."""
     local = [local_plan(request, worker, model, settings) for worker in decode]
-    disagg = [disagg_plan(request, source, sink, model, settings) for source in prefill for sink in decode]
+    disagg = [disagg_plan(request, source, sink, model, settings) for source in prefill for sink in decode
+              if source.worker_id != sink.worker_id]
     return local + disagg
 
 

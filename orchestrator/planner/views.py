@@ -15,12 +15,15 @@ class PlanKind(str, Enum):
     DISAGG = "disagg"  # a prefill worker prefills; the decode worker pulls the blocks it lacks
 
 
+UNIFIED = "unified"  # the role of a worker whose one engine prefills and decodes: it is in both pools
+
+
 @dataclass(frozen=True)
 class WorkerView:
     """One worker as the planner sees it at decision time."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "unified"
     num_running: int
     num_waiting: int
     num_queued_prefill_tokens: int

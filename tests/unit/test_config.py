@@ -134,13 +134,13 @@ def test_config_file_yaml_or_json_dashed_or_underscored(tmp_path, name, text):
 
 
 def test_read_config_file_normalises_dashes(tmp_path):
-    path = write(tmp_path, "c.json", {"kv-cache-gib": 0.5, "prefill_workers": 2})
-    assert config.read_config_file(path) == {"kv_cache_gib": 0.5, "prefill_workers": 2}
+    path = write(tmp_path, "c.json", {"kv-cache-gib": 0.5, "total_kv_gib": 2})
+    assert config.read_config_file(path) == {"kv_cache_gib": 0.5, "total_kv_gib": 2}
 
 
 @pytest.mark.parametrize("name, data", [
     ("c.yaml", {"port": 8001, "colour": "blue"}),
-    ("c.json", {"prefill-workers": 2}),  # a PoolSettings key is foreign to OrchestratorSettings
+    ("c.json", {"total-kv-gib": 2}),  # a PoolSettings key is foreign to OrchestratorSettings
     ("c.yaml", {"Port": 8001}),
 ])
 def test_unknown_keys_in_a_file_raise(tmp_path, name, data):
@@ -153,24 +153,24 @@ def test_unknown_keys_in_a_file_raise(tmp_path, name, data):
 
 def test_only_known_takes_just_its_own_keys(tmp_path):
     """One file configures both settings objects of ``kvroute serve``."""
-    path = write(tmp_path, "serve.yaml", {"port": 8100, "policy": "round_robin", "prefill-workers": 2,
-                                          "decode_workers": 3, "kv_cache_gib": 0.5, "dtype": "float32",
+    path = write(tmp_path, "serve.yaml", {"port": 8100, "policy": "round_robin", "topology": "2u",
+                                          "cores_per_engine": 3, "kv_cache_gib": 0.5, "dtype": "float32",
                                           "something_else": True})
     parser = parser_for(OrchestratorSettings, PoolSettings)
-    args = parser.parse_args(["--config", str(path), "--decode-workers", "4", "--port", "8200"])
+    args = parser.parse_args(["--config", str(path), "--cores-per-engine", "4", "--port", "8200"])
     environ = {"KVROUTE_DTYPE": "bfloat16", "KVROUTE_HOST": "0.0.0.0"}
     orchestrator = config.load(OrchestratorSettings, args, environ=environ, only_known=True)
     pool = config.load(PoolSettings, args, environ=environ, only_known=True)
     assert orchestrator == dataclasses.replace(OrchestratorSettings(), port=8200, policy="round_robin",
                                                host="0.0.0.0")
-    assert pool == PoolSettings(prefill_workers=2, decode_workers=4, kv_cache_gib=0.5, dtype="bfloat16")
+    assert pool == PoolSettings(topology="2u", cores_per_engine=4, kv_cache_gib=0.5, dtype="bfloat16")
     # Without only_known the same file is refused.
     with pytest.raises(ConfigError, match="unknown settings"):
         config.load(PoolSettings, args, environ={})
 
 
 def test_only_known_still_validates_values(tmp_path):
-    path = write(tmp_path, "c.yaml", {"policy": "nope", "prefill_workers": 1})
+    path = write(tmp_path, "c.yaml", {"policy": "nope", "topology": "1u"})
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         config.load(OrchestratorSettings, parse(OrchestratorSettings, ["--config", str(path)]), environ={},
                     only_known=True)
@@ -287,8 +287,9 @@ def test_invalid_flag_values_are_argparse_errors(argv, capsys):
     (OrchestratorSettings, {}, ["--policy", "nope"], "unknown policy 'nope'; choose one of "),
     (OrchestratorSettings, {"KVROUTE_POLICY": "nope"}, [], "unknown policy 'nope'"),
     (OrchestratorSettings, {}, ["--max-model-len", "1"], "max_model_len must be at least 2"),
-    (PoolSettings, {}, ["--prefill-workers", "0"], "at least one prefill and one decode worker"),
-    (PoolSettings, {"KVROUTE_DECODE_WORKERS": "0"}, [], "at least one prefill and one decode worker"),
+    (PoolSettings, {}, ["--topology", "2p"], "needs a unified worker, or prefill and decode workers both"),
+    (PoolSettings, {"KVROUTE_TOPOLOGY": "three"}, [], "not 'auto' nor counts and roles"),
+    (PoolSettings, {}, ["--cores-per-engine", "0"], "cores_per_engine must be at least 1"),
 ])
 def test_invalid_values_raise_config_error(cls, env, argv, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -351,8 +352,8 @@ def test_real_cli_parser_builds():
     from kvroute.cli import build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--prefill-workers", "2", "--port", "8123"])
-    assert config.load(PoolSettings, args, environ={}, only_known=True).prefill_workers == 2
+    args = parser.parse_args(["serve", "--topology", "2p1d", "--port", "8123"])
+    assert config.load(PoolSettings, args, environ={}, only_known=True).topology == "2p1d"
     assert config.load(OrchestratorSettings, args, environ={}, only_known=True).port == 8123
 
 
@@ -368,7 +369,8 @@ def test_the_http_server_keeps_idle_connections_past_the_clients_expiry():
 @pytest.mark.parametrize("flags, shared", [([], True), (["--no-shared-copies"], False)])
 def test_serve_passes_shared_copies_to_its_workers(flags, shared):
     from kvroute.serve import worker_args
+    from kvroute.topology import Engine
     pool = config.load(PoolSettings, parser_for(PoolSettings).parse_args(flags), environ={})
     assert pool.shared_copies is shared
-    args = worker_args(pool, OrchestratorSettings(), "model", core=0)
+    args = worker_args(pool, OrchestratorSettings(), "model", Engine("unified", "0", None, 0.5))
     assert ("--no-shared-copies" in args) is not shared

@@ -106,8 +106,8 @@ def service_view(queued: dict[str, int], prefilled_since: tuple[str, ...] = ()) 
     load = wire.WorkerLoad(num_waiting=len(queued), num_queued_prefill_tokens=sum(queued.values()),
                            num_free_blocks=100, num_total_blocks=100, block_size=BS, queued_prefill=queued,
                            prompt_step_cap=CAP)
-    worker = SimpleNamespace(worker_id="p0", load=load, last_seen=time.monotonic())
-    return service._view(worker, "prefill", HASHES, 20)
+    worker = SimpleNamespace(worker_id="p0", role="prefill", load=load, last_seen=time.monotonic())
+    return service._view(worker, HASHES, 20)
 
 
 def test_the_service_prices_a_follower_from_the_queue_its_heartbeat_and_ledger_show():

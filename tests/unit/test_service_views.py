@@ -12,6 +12,7 @@ import pytest
 from foundation import wire
 from foundation.kv_events import StoredBlockRecord
 from orchestrator.decisions import DecisionLog
+from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.planner.calibration import Calibration
@@ -41,6 +42,8 @@ class MemoryFleet:
 
     def live(self, role: str):
         return self.registry.live(role)
+
+    pool = Fleet.pool  # the planner's pools, from ``live``, as the real fleet forms them
 
     def in_flight(self, worker_id: str) -> int:
         return self.counts.get(worker_id, 0)
@@ -103,7 +106,7 @@ def test_every_worker_is_keyed_as_its_view_would_key_it(seed):
     job = job_for(rng)
     hashes = job.block_hashes(BS)
     matches = service.index.match(hashes)
-    for role in wire.ROLES:
+    for role in wire.POOLS:
         pool = service.worker_views(role, hashes, matches, excluded=set())
         keys, cached = list(pool.load_keys), list(pool.cached_blocks)
         views = list(pool)
@@ -124,7 +127,7 @@ def test_a_policy_decides_as_it_would_over_every_view_built(policy):
         decision, _ = service.plan(job)
         hashes = job.block_hashes(BS)
         matches = service.index.match(hashes)
-        prefill, decode = (list(service.worker_views(role, hashes, matches, set())) for role in wire.ROLES)
+        prefill, decode = (list(service.worker_views(role, hashes, matches, set())) for role in wire.POOLS)
         eager = twin.decide(service_request(job), prefill, decode,
                             service.calibration.calibrated_model(time.monotonic()))
         assert decision.chosen == eager.chosen and decision.alternatives == eager.alternatives
@@ -139,7 +142,7 @@ def test_the_cache_aware_policy_builds_the_views_of_its_candidates_only():
     job = job_for(rng)
     hashes = job.block_hashes(BS)
     matches = service.index.match(hashes)
-    pools = [service.worker_views(role, hashes, matches, set()) for role in wire.ROLES]
+    pools = [service.worker_views(role, hashes, matches, set()) for role in wire.POOLS]
     prebuilt = sum(pool.num_built for pool in pools)  # those the ledger had to key
     decision = service.policies["cache_aware"].decide(service_request(job), *pools,
                                                       service.calibration.calibrated_model(time.monotonic()))

@@ -63,7 +63,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.args = [sys.executable, "-m", "kvroute", "serve", "--port", str(port),
-                     "--prefill-workers", str(PREFILL_WORKERS), "--decode-workers", str(DECODE_WORKERS),
+                     "--topology", f"{PREFILL_WORKERS}p{DECODE_WORKERS}d",
                      "--allow-policy-override", "--kv-cache-gib", f"{kv_cache_gib:.4f}", "--dtype", dtype,
                      "--max-model-len", str(MAX_MODEL_LEN), "--log-dir", str(log_path.parent / "workers")]
         # A process group of its own (stopped as one), in this process's session: with the cluster
