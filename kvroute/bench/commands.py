@@ -21,6 +21,7 @@ MODULES = (
     "kvroute.bench.simulation.validate",  # validate-simulator
     "kvroute.bench.results_page.cli",  # results-page
     "kvroute.bench.gpu_check.cli",  # gpu-check
+    "kvroute.bench.peers.cli",  # peers
 )
 
 

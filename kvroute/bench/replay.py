@@ -90,16 +90,25 @@ class Row:
 
 @dataclass(frozen=True)
 class ReplayTarget:
-    """Where and as whom requests go."""
+    """Where and as whom requests go.
+
+    ``choose_policy``: each request names its policy in ``X-KVRoute-Policy`` (an
+    orchestrator started with ``--allow-policy-override``); off, the policy is only the
+    rows' label and the server places requests as it would anyone's. ``fetch_decisions``:
+    after the run, ask ``/v1/decisions`` about every request; off for servers that are not
+    kvroute (plain vLLM, a router), whose rows keep those fields None without a lookup.
+    """
 
     url: str
     model: str
     api_key: str = ""
     request_timeout_s: float = REQUEST_TIMEOUT_S
+    choose_policy: bool = True
+    fetch_decisions: bool = True
 
     def headers(self, policy: str) -> dict[str, str]:
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return {POLICY_HEADER: policy, **auth}
+        return {POLICY_HEADER: policy, **auth} if self.choose_policy else auth
 
 
 def request_body(model: str, item: ReplayItem) -> dict:
@@ -214,7 +223,8 @@ async def replay(target: ReplayTarget, policy: str, items: list[ReplayItem],
             tasks.append(task)
         rows = list(await asyncio.gather(*tasks))
         duration = loop.time() - start
-        await _attach_decisions(client, target, rows)
+        if target.fetch_decisions:
+            await _attach_decisions(client, target, rows)
     return rows, duration
 
 

@@ -148,7 +148,7 @@ def _replay_policies(settings, server, target, items, labels, console):
     try:
         for policy in settings.policies:
             reset = server.reset_cache(target.model, warn) if settings.reset_cache else {"reset": False}
-            rows, duration = _replay_with_progress(target, policy, items, console)
+            rows, duration = replay_with_progress(target, policy, items, console)
             rows_by_policy[policy] = rows
             summaries[policy] = {**summarize(policy, rows, duration, labels), "cache_reset": reset}
             s = summaries[policy]
@@ -160,8 +160,9 @@ def _replay_policies(settings, server, target, items, labels, console):
     return rows_by_policy, summaries, None
 
 
-def _replay_with_progress(target: ReplayTarget, policy: str, items: list[ReplayItem],
-                          console: Console) -> tuple[list[Row], float]:
+def replay_with_progress(target: ReplayTarget, policy: str, items: list[ReplayItem],
+                         console: Console) -> tuple[list[Row], float]:
+    """``replay.replay`` with a progress bar (finished requests, errors) on ``console``."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[errors]} errors"))
     with Progress(*columns, console=console) as progress:

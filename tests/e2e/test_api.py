@@ -4,6 +4,7 @@ empty model cache), exercised with the official ``openai`` client, then stopped.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from urllib.parse import urlsplit
@@ -51,8 +52,10 @@ def test_models_and_health(client, stack):
     assert httpx.get(stack.url + "/health").json()["status"] == "ok"
     metrics = httpx.get(stack.url + "/metrics").text
     assert "kvroute_time_to_first_token_seconds" in metrics
-    assert 'kvroute_workers{role="decode"} 1.0' in metrics
-    assert 'kvroute_index_blocks{worker="prefill-' in metrics and 'kvroute_index_blocks{worker="decode-' in metrics
+    # The default topology (auto) is unified engines only: one per GPU, or one per 8 cores.
+    assert float(re.search(r'kvroute_workers\{role="unified"\} (\S+)', metrics).group(1)) >= 1
+    assert 'kvroute_workers{role="decode"} 0.0' in metrics
+    assert 'kvroute_index_blocks{worker="unified-' in metrics
 
 
 def http_get(connection: socket.socket, path: str) -> bytes:

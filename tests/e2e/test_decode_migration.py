@@ -50,7 +50,7 @@ def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("migration")
     stack = Stack(default_cache_dir(), folder / "serve.log",
                   ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
-                   "--prefill-workers", "1", "--decode-workers", "2", "--policy", "least_loaded",
+                   "--topology", "1p2d", "--policy", "least_loaded",
                    "--heartbeat-timeout-seconds", str(HEARTBEAT_TIMEOUT), "--log-dir", str(folder / "workers")])
     try:
         stack.wait_healthy(900)

@@ -38,7 +38,7 @@ def stack(tmp_path_factory):
     keys.write_text(json.dumps({"keys": KEYS}))
     stack = Stack(default_cache_dir(), folder / "serve.log",
                   ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
-                   "--prefill-workers", "2", "--decode-workers", "1", "--api-keys", str(keys),
+                   "--topology", "2p1d", "--api-keys", str(keys),
                    "--allow-policy-override", "--log-dir", str(folder / "workers")])
     try:
         stack.wait_healthy(900)

@@ -53,7 +53,7 @@ def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shaped")
     stack = Stack(default_cache_dir(), folder / "serve.log",
                   ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
-                   "--prefill-workers", "1", "--decode-workers", "1", "--allow-policy-override",
+                   "--topology", "1p1d", "--allow-policy-override",
                    # The shaped port stands for a network between hosts: pulls must cross it.
                    "--no-shared-copies",
                    # A pull over the slow link may take longer than recomputing; it must not time out.
