@@ -24,6 +24,8 @@ _record_encoder = msgspec.json.Encoder(enc_hook=str)  # dataclasses natively; an
 def plan_summary(plan: Plan) -> dict:
     summary = {"kind": plan.kind.value, "prefill_worker": plan.prefill_worker, "decode_worker": plan.decode_worker,
                "feasible": plan.feasible}
+    if plan.source_worker:
+        summary["source_worker"], summary["lend_tokens"] = plan.source_worker, plan.lend_tokens
     if plan.infeasible_reason:
         summary["infeasible_reason"] = plan.infeasible_reason
     if plan.estimate is not None:

@@ -12,6 +12,13 @@
 
 If anything fails or the caller stops early, both workers get an abort and the lease
 is released, so no blocks stay held on the producer.
+
+A PULL (``generate_pulled``) hands a cached prefix from one replica to another::
+
+    source: prompt[:lend], max_tokens=1, hold_blocks ──▶ PullSource (lease); its token is dropped
+    sink:   prompt, pull_from=PullSource ──▶ pulls the lent blocks it lacks, computes the rest, decodes
+
+A lend that fails costs only the pull: the sink then computes the whole prompt itself.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import zmq
 
 from foundation import wire
 from foundation.endpoint_client import release_lease
-from orchestrator.worker_client import WorkerClient, WorkerTimeout
+from orchestrator.worker_client import WorkerClient, WorkerError, WorkerTimeout
 
 logger = logging.getLogger("kvroute.orchestrator.disagg")
 
@@ -55,6 +62,7 @@ class HandoffRecord:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     transfer: wire.PullRecord | None = None  # as the decode worker's connector measured it
+    lend_error: WorkerError | None = None  # a PULL's source failed to lend; the sink recomputed
 
 
 def first_token_ends(chunk: wire.GenerateChunk, sampling: wire.SamplingSpec) -> bool:
@@ -101,6 +109,33 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, re
             await release(source, "abort" if not ends else "first_token_finished")
 
 
+async def generate_pulled(source: WorkerClient, sink: WorkerClient, record: HandoffRecord,
+                          prompt_token_ids: list[int], lend_tokens: int, sampling: wire.SamplingSpec,
+                          cache_salt: str | None = None, timeout: float = 60.0,
+                          patience: Patience | None = None) -> AsyncIterator[wire.GenerateChunk]:
+    """The PULL plan: ``source`` lends the prompt's first ``lend_tokens`` tokens (whole blocks it
+    holds cached); ``sink`` pulls them, computes the rest and generates every token."""
+    lease = None
+    lend = HandoffRecord(request_id=f"{record.request_id}-lend")
+    try:
+        lent = await _prefill(source, lend, prompt_token_ids[:lend_tokens], sampling, cache_salt, timeout,
+                              patience and patience.prefill)
+        lease = lent.pull_source
+    except WorkerError as error:
+        record.lend_error = error
+        logger.warning("request %s: lending %d tokens failed (%s); the sink computes them", record.request_id,
+                       lend_tokens, error)
+    try:
+        request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
+                                       sampling=sampling, cache_salt=cache_salt, pull_from=lease)
+        async for chunk in _generate(sink, record, request, timeout, patience and patience.decode):
+            lease = None if chunk.finished else lease  # a finished sink request gave the lease back
+            yield chunk
+    finally:
+        if lease is not None:
+            await release(lease, "abort")
+
+
 async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
                    sampling: wire.SamplingSpec, cache_salt: str | None, timeout: float,
                    on_timeout: OnTimeout | None) -> wire.GenerateChunk:
@@ -119,10 +154,17 @@ async def generate_local(decode: WorkerClient, record: HandoffRecord, prompt_tok
                          sampling: wire.SamplingSpec, cache_salt: str | None = None, timeout: float = 60.0,
                          on_timeout: OnTimeout | None = None) -> AsyncIterator[wire.GenerateChunk]:
     """The LOCAL plan: the decode worker prefills the prompt itself, using its own cache."""
-    record.prompt_tokens = len(prompt_token_ids)
     request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
                                    sampling=sampling, cache_salt=cache_salt)
-    async for chunk in decode.generate(request, timeout, on_timeout):
+    async for chunk in _generate(decode, record, request, timeout, on_timeout):
+        yield chunk
+
+
+async def _generate(worker: WorkerClient, record: HandoffRecord, request: wire.GenerateRequest, timeout: float,
+                    on_timeout: OnTimeout | None) -> AsyncIterator[wire.GenerateChunk]:
+    """One worker prefills (with its cache and any pull) and decodes the whole request."""
+    record.prompt_tokens = len(request.prompt_token_ids)
+    async for chunk in worker.generate(request, timeout, on_timeout):
         if record.first_token_at is None:
             record.prefill_cached_tokens = chunk.num_cached_tokens
         _observe(record, chunk)

@@ -33,25 +33,28 @@ class Feedback:
                 prefilling_role: str | None = None) -> None:
         """``prefilling_role``: the role of the worker that prefilled, whose timings calibrate
         that class of worker (None: the worker left; its pool's role by the plan's kind)."""
-        prefilling = plan.prefill_worker if plan.kind is PlanKind.DISAGG else plan.decode_worker
+        prefilling = plan.prefilling_worker
+        indexed = plan.source_worker or prefilling  # where the index said the reused blocks were
         if record.index_overestimated():
-            self.metrics.index_mispredictions.labels(prefilling).inc()
+            self.metrics.index_mispredictions.labels(indexed).inc()
             logger.warning("index had %d tokens stored on %s, engine reused %d; resyncing",
-                           record.predicted_stored_tokens, prefilling, record.actual.reused_tokens)
-            self.index_sync.request_resync(prefilling)
+                           record.predicted_stored_tokens, indexed, record.actual.reused_tokens)
+            self.index_sync.request_resync(indexed)
         elif record.claim_overestimated():
             self.metrics.claim_misses.labels(prefilling).inc()
             logger.info("request %s expected %d tokens on %s (%d claimed), engine reused %d",
                         record.request_id, record.predicted_reused_tokens, prefilling,
                         record.predicted_reused_tokens - record.predicted_stored_tokens, record.actual.reused_tokens)
         actual, now = record.actual, time.monotonic()
-        if plan.kind is PlanKind.DISAGG and actual.transfer_bytes:
-            self.calibration.observe_link(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
-                                           actual.transfer_seconds, now=now)
-            self.metrics.observe_transfer(plan.prefill_worker, plan.decode_worker, actual.transfer_bytes,
-                                          actual.transfer_seconds)
+        lender = plan.prefill_worker or plan.source_worker
+        if lender and actual.transfer_bytes:
+            self.calibration.observe_link(lender, plan.decode_worker, actual.transfer_bytes, actual.transfer_seconds,
+                                           now=now)
+            self.metrics.observe_transfer(lender, plan.decode_worker, actual.transfer_bytes, actual.transfer_seconds)
         shared_cores = plan.estimate is not None and plan.estimate.contention > 0
-        if idle_at_start and not shared_cores and actual.ttft is not None and actual.reused_tokens is not None:
+        # A PULL's first token also waited for the lend and the transfer: not a prefill speed.
+        measures_prefill = plan.kind is not PlanKind.PULL and not shared_cores
+        if idle_at_start and measures_prefill and actual.ttft is not None and actual.reused_tokens is not None:
             role = prefilling_role or ("prefill" if plan.kind is PlanKind.DISAGG else "decode")
             new_tokens = record.prompt_tokens - actual.reused_tokens
             self.calibration.observe_prefill(role, new_tokens, actual.reused_tokens, actual.ttft, worker_id=prefilling,

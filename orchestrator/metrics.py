@@ -75,9 +75,10 @@ class Metrics:
 
     def observe_request(self, job, plan, handoff, record) -> None:
         kind = plan.kind.value
-        prefilling = plan.prefill_worker or plan.decode_worker
+        prefilling = plan.prefilling_worker
         self.plans.labels(record.policy, kind).inc()
-        for role, worker in (("prefill", plan.prefill_worker), ("decode", plan.decode_worker)):
+        for role, worker in (("prefill", plan.prefill_worker), ("decode", plan.decode_worker),
+                             ("source", plan.source_worker)):
             if worker:
                 self.selected.labels(worker, role).inc()
         self.prompt_tokens.inc(len(job.prompt_token_ids))

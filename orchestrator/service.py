@@ -28,7 +28,14 @@ from foundation import identity, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
-from orchestrator.disagg import HandoffRecord, OnTimeout, Patience, generate_disaggregated, generate_local
+from orchestrator.disagg import (
+    HandoffRecord,
+    OnTimeout,
+    Patience,
+    generate_disaggregated,
+    generate_local,
+    generate_pulled,
+)
 from orchestrator.errors import APIError
 from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
@@ -167,7 +174,7 @@ class CompletionService:
         if decision.chosen is None:
             return decision, None
         chosen = decision.chosen
-        stored = self.index.stored_prefix(chosen.prefill_worker or chosen.decode_worker, block_hashes)
+        stored = self.index.stored_prefix(chosen.source_worker or chosen.prefilling_worker, block_hashes)
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
                                               len(job.prompt_token_ids), block_size, stored * block_size)
         self.decisions.add(record)
@@ -269,7 +276,7 @@ class CompletionService:
         handoff = HandoffRecord(request_id=attempt.request_id)
         idle_at_start = all(self.fleet.in_flight(w) == 0 for w in plan.workers)
         self._track(plan, +1)
-        prefilling = plan.prefill_worker or plan.decode_worker
+        prefilling = plan.prefilling_worker
         self._reserve(plan, attempt, prefilling, record.block_size)
         self._claim(prefilling, attempt, record.block_size)
         health: tuple[bool, _WorkerFailed | None] = (False, None)  # unchanged if the client leaves
@@ -280,7 +287,8 @@ class CompletionService:
                     yield delta
             health = (True, None)
         except WorkerError as error:
-            role = "decode" if handoff.first_token_at or plan.kind is PlanKind.LOCAL else "prefill"
+            # A PULL's lend failing is not fatal (the sink computes the prompt): only the sink fails it.
+            role = "decode" if handoff.first_token_at or plan.kind is not PlanKind.DISAGG else "prefill"
             if counts_against_worker(error):  # a draining worker is leaving, not failing
                 self.metrics.worker_failures.labels(role).inc()
             record.actual.error = str(error)
@@ -289,6 +297,8 @@ class CompletionService:
             raise failure from error
         finally:
             self._report_health(plan, *health)
+            if handoff.lend_error is not None and counts_against_worker(handoff.lend_error):
+                self.fleet.breakers.failed(plan.source_worker, time.monotonic())
             self.fleet.ledger.prefilled(prefilling, attempt.request_id, time.monotonic())
             self.fleet.ledger.released(plan.decode_worker, attempt.request_id)
             if handoff.first_token_at is None:  # failed, or the client left: nothing stored to count on
@@ -316,8 +326,11 @@ class CompletionService:
         if plan.kind is PlanKind.LOCAL:
             return generate_local(decode, handoff, job.prompt_token_ids, job.sampling, job.cache_salt,
                                   self.worker_timeout, self._patience(plan.decode_worker, job))
-        patience = Patience(prefill=self._patience(plan.prefill_worker, job),
-                            decode=self._patience(plan.decode_worker, job))
+        lender = plan.prefill_worker or plan.source_worker
+        patience = Patience(prefill=self._patience(lender, job), decode=self._patience(plan.decode_worker, job))
+        if plan.kind is PlanKind.PULL:
+            return generate_pulled(self._client(lender), decode, handoff, job.prompt_token_ids, plan.lend_tokens,
+                                   job.sampling, job.cache_salt, self.worker_timeout, patience)
         return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
                                       job.sampling, job.cache_salt, self.worker_timeout, patience)
 
@@ -399,6 +412,6 @@ class CompletionService:
             actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
         if client_facing:
             self.metrics.observe_request(job, plan, handoff, record)
-        prefilling = self.fleet.registry.get(plan.prefill_worker or plan.decode_worker)
+        prefilling = self.fleet.registry.get(plan.prefilling_worker)
         self.feedback.observe(plan, record, idle_at_start, prefilling.role if prefilling else None)
         self.decisions.finish(record)

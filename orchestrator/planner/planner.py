@@ -29,12 +29,14 @@ from orchestrator.planner.plans import (
     describe,
     disagg_plan,
     held_blocks,
+    lendable_blocks,
     local_plan,
     prefill_worker_problem,
     prompt_blocks,
+    pull_plan,
 )
 from orchestrator.planner.settings import PlannerSettings
-from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
+from orchestrator.planner.views import UNIFIED, Decision, Plan, PlanKind, RequestView, WorkerView
 
 POLICY_NAME = "cache_aware"
 TIE_RESOLUTION_SECONDS = 6  # decimal places: costs closer than a microsecond are a tie
@@ -66,11 +68,15 @@ def plan_request(request: RequestView, prefill: list[WorkerView], decode: list[W
 def enumerate_plans(request: RequestView, prefill: list[WorkerView], decode: list[WorkerView],
                     model: CostModel, settings: PlannerSettings) -> list[Plan]:
     """Every LOCAL plan on a decode candidate, then every prefill x decode DISAGG pair of two
-    workers (a unified worker is in both pools; prefilling for itself is its LOCAL plan)."""
+    workers (a unified worker is in both pools; prefilling for itself is its LOCAL plan), then
+    every PULL into a unified worker from one that holds more of the prompt than it does."""
     local = [local_plan(request, worker, model, settings) for worker in decode]
-    disagg = [disagg_plan(request, source, sink, model, settings) for source in prefill for sink in decode
-              if source.worker_id != sink.worker_id]
-    return local + disagg
+    pairs = [(source, sink) for source in prefill for sink in decode if source.worker_id != sink.worker_id]
+    disagg = [disagg_plan(request, source, sink, model, settings) for source, sink in pairs]
+    pulls = [pull_plan(request, source, sink, model, settings) for source, sink in pairs
+             if sink.role == UNIFIED and lendable_blocks(request, source) > min(sink.reusable_blocks,
+                                                                                 prompt_blocks(request))]
+    return local + disagg + pulls
 
 
 def rank(plans: list[Plan], views: dict[str, WorkerView], settings: PlannerSettings) -> list[Plan]:
@@ -103,14 +109,15 @@ def ranking_seconds(plan: Plan, settings: PlannerSettings) -> float:
 
 def cache_fill(plan: Plan, views: dict[str, WorkerView]) -> float:
     """How full the prefilling worker's cache is, to a percent."""
-    return round(views[plan.prefill_worker or plan.decode_worker].cache_fill, CACHE_FILL_RESOLUTION)
+    return round(views[plan.prefilling_worker].cache_fill, CACHE_FILL_RESOLUTION)
 
 
 def ranking_key(plan: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> tuple:
     load = [load_key(views[worker_id])[:2] for worker_id in plan.workers]
     total_load = (sum(active for active, _ in load), sum(queued for _, queued in load))
     return (round(ranking_seconds(plan, settings), TIE_RESOLUTION_SECONDS), cache_fill(plan, views),
-            round(plan.estimate.gap, TIE_RESOLUTION_SECONDS), total_load, plan.prefill_worker or "", plan.decode_worker)
+            round(plan.estimate.gap, TIE_RESOLUTION_SECONDS), total_load, plan.prefill_worker or "", plan.decode_worker,
+            plan.source_worker or "")
 
 
 def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: dict[str, WorkerView],
@@ -145,7 +152,12 @@ def tie_reason(chosen: Plan, runner_up: Plan, views: dict[str, WorkerView], sett
 
 
 def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> str:
-    prefiller = plan.prefill_worker or plan.decode_worker
+    if plan.kind is PlanKind.PULL:
+        lent = lendable_blocks(request, views[plan.source_worker])
+        held = min(views[plan.decode_worker].reusable_blocks, lent)
+        return (f"{plan.source_worker} lends {lent}/{prompt_blocks(request)} blocks, {plan.decode_worker} "
+                f"holds {held} of them and pulls {lent - held}")
+    prefiller = plan.prefilling_worker
     total = prompt_blocks(request)
     held = held_blocks(request, views[prefiller])
     text = f"{prefiller} holds {held}/{total} blocks"

@@ -5,6 +5,8 @@ estimates computed the same way and can be compared side by side.
 
     LOCAL d:     ttft = queue_wait(d) + prefill(d) + contention(d)   gap = 0   (+ interference on d)
     DISAGG p->d: ttft = queue_wait(p) + prefill(p) + contention(p)   gap = transfer(p->d) + admission(d)
+    PULL s=>u:   ttft = queue_wait(s) + lend(s) + transfer(s->u) + queue_wait(u) + prefill(u, rest)
+                        + contention(u)                              gap = 0   (+ interference on u)
 
 (+ queue_delay: what the prefill adds to the prompts queued on its worker, where they share steps)
 
@@ -104,6 +106,12 @@ def local_plan(request: RequestView, decode: WorkerView, model: CostModel, setti
     return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
 
 
+def decoder_interference(model: CostModel, worker: WorkerView, prefill: float) -> float:
+    """What a prefill on ``worker`` costs the decodes running there: nothing on a prefill
+    worker, whose running requests are prefills; as a LOCAL prefill's on a unified one."""
+    return cost.local_interference_seconds(model, worker, prefill) if worker.role in cost.DECODING_ROLES else 0.0
+
+
 def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: WorkerView,
                 model: CostModel, settings: PlannerSettings) -> Plan:
     """The decode worker pulls only the prompt blocks it does not already hold."""
@@ -118,13 +126,51 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
                         ttft=ttft, gap=transfer + cost.admission_seconds(model, decode, ttft + transfer),
                         reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention,
+                        interference=decoder_interference(model, prefill_worker, prefill),
                         queue_delay=cost.queue_delay_seconds(model, prefill_worker, prefill))
     problem = (prefill_worker_problem(prefill_worker, settings)
                or decode_worker_problem(decode, request, settings))
     return Plan(PlanKind.DISAGG, decode.worker_id, prefill_worker.worker_id, estimate, not problem, problem)
 
 
+def lendable_blocks(request: RequestView, source: WorkerView) -> int:
+    """Leading prompt blocks ``source`` can lend: those it would reuse, short of the whole
+    prompt, as the borrower computes at least the last token itself."""
+    return min(source.reusable_blocks, (request.prompt_tokens - 1) // request.block_size)
+
+
+def pull_plan(request: RequestView, source: WorkerView, sink: WorkerView, model: CostModel,
+              settings: PlannerSettings) -> Plan:
+    """``sink`` pulls the leading blocks ``source`` holds, beyond its own, then prefills the rest
+    and decodes. ``source`` lends by prefilling just those blocks under a lease: its engine
+    finds them cached and recomputes only the last block, which goes through its queue."""
+    block = request.block_size
+    lent = lendable_blocks(request, source)
+    lend_tokens = lent * block
+    lend = cost.prefill_seconds(model, block, max(0, lend_tokens - block), source.role, source.worker_id)
+    lend_wait = cost.queue_wait_seconds(model, source, lend)
+    missing_bytes = max(0, lent - min(sink.reusable_blocks, lent)) * cost.block_bytes(model, sink)
+    transfer = cost.transfer_seconds(missing_bytes, model.link(source.worker_id, sink.worker_id))
+    reused = max(lend_tokens, reused_tokens(request, sink))
+    prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, sink.role, sink.worker_id)
+    queue_wait = lend_wait + lend + transfer + cost.queue_wait_seconds(model, sink, prefill)
+    contention = cost.contention_seconds(model, sink, queue_wait + prefill)
+    estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
+                        ttft=queue_wait + prefill + contention, gap=0.0, reused_tokens=reused,
+                        transfer_bytes=missing_bytes, contention=contention,
+                        interference=(decoder_interference(model, source, lend)
+                                      + cost.local_interference_seconds(model, sink, prefill)),
+                        queue_delay=(cost.queue_delay_seconds(model, source, lend)
+                                     + cost.queue_delay_seconds(model, sink, prefill)))
+    problem = (prefill_worker_problem(source, settings) or decode_worker_problem(sink, request, settings)
+               or queue_problem(sink, settings))
+    return Plan(PlanKind.PULL, sink.worker_id, None, estimate, not problem, problem, source_worker=source.worker_id,
+                lend_tokens=lend_tokens)
+
+
 def describe(plan: Plan) -> str:
     if plan.kind is PlanKind.LOCAL:
         return f"LOCAL {plan.decode_worker}"
+    if plan.kind is PlanKind.PULL:
+        return f"PULL {plan.source_worker}⇒{plan.decode_worker}"
     return f"DISAGG {plan.prefill_worker}→{plan.decode_worker}"

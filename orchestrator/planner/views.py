@@ -13,6 +13,9 @@ from enum import Enum
 class PlanKind(str, Enum):
     LOCAL = "local"  # the decode worker prefills the prompt itself (its own cached prefix helps)
     DISAGG = "disagg"  # a prefill worker prefills; the decode worker pulls the blocks it lacks
+    # A unified worker pulls the prompt's leading blocks from another worker that holds them,
+    # computes the rest itself and decodes: a prefix reused across replicas, not recomputed.
+    PULL = "pull"
 
 
 UNIFIED = "unified"  # the role of a worker whose one engine prefills and decodes: it is in both pools
@@ -101,10 +104,18 @@ class Plan:
     estimate: Estimate | None = None
     feasible: bool = True
     infeasible_reason: str = ""
+    source_worker: str | None = None  # PULL: the worker lending the prompt's leading blocks
+    lend_tokens: int = 0  # PULL: how many leading prompt tokens (whole blocks) it lends
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return (self.prefill_worker, self.decode_worker) if self.prefill_worker else (self.decode_worker,)
+        lender = self.prefill_worker or self.source_worker
+        return (lender, self.decode_worker) if lender else (self.decode_worker,)
+
+    @property
+    def prefilling_worker(self) -> str:
+        """The worker that computes the prompt's new tokens (the source of a PULL lends only)."""
+        return self.prefill_worker or self.decode_worker
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """Prompts and checks of the disaggregated path on real engines, shared by the tests that
-run it over the transfer endpoint (test_disagg) and over a link
-(test_links)."""
+run it over the transfer endpoint (test_disagg), over a link (test_links) and between unified
+replicas (test_unified)."""
 
 from __future__ import annotations
 
 import math
 
 from foundation import wire
-from tests.cluster import Clients, wait_idle
+from orchestrator.worker_client import WorkerClient
+from tests.cluster import START_TIMEOUT, Clients, start_worker, wait_idle
 
 GREEDY_32 = wire.SamplingSpec(max_tokens=32, temperature=0.0)
 TOPICS = ["the history of Paris", "how bread is baked", "the life cycle of stars", "how bees make honey",
@@ -58,3 +59,20 @@ def assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> 
     # vLLM's own accounting: every prompt token not found locally came from the transfer.
     assert external == prompt_tokens - local_hit
     assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
+
+
+async def lend_then_die(role: str, log_dir, prompt: list[int], request_id: str) -> wire.GenerateChunk:
+    """A fresh worker of ``role`` prefills ``prompt`` under a lease and is killed before anyone
+    pulls: the first chunk, whose ``pull_source`` now points at nothing."""
+    doomed = start_worker(role, log_dir, "0")
+    doomed.wait_ready(START_TIMEOUT)
+    doomed_client = WorkerClient(doomed.rpc_address)
+    try:
+        head = [c async for c in doomed_client.generate(wire.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, hold_blocks=True,
+            sampling=wire.SamplingSpec(max_tokens=1)))][-1]
+        assert head.pull_source is not None
+        return head
+    finally:
+        await doomed_client.close()
+        doomed.kill()

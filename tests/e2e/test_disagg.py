@@ -25,7 +25,15 @@ from tests.cluster import (
     wait_idle,
     wait_staged,
 )
-from tests.e2e.disagg import GREEDY_32, TOPICS, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
+from tests.e2e.disagg import (
+    GREEDY_32,
+    TOPICS,
+    assert_loaded_not_recomputed,
+    chat_prompt,
+    lend_then_die,
+    question,
+    transfer_delta,
+)
 from worker.queued_prefill import QueuedPrompt
 from worker.resident import ResidentBlocks
 from worker.settings import default_long_prefill_tokens
@@ -174,18 +182,8 @@ async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines,
 
 
 async def test_prefill_worker_killed_before_pull_falls_back_to_recompute(clients, engines, tokenizer, tmp_path):
-    doomed = start_worker("prefill", tmp_path, "0")
-    doomed.wait_ready(START_TIMEOUT)
-    doomed_client = WorkerClient(doomed.rpc_address)
-    try:
-        prompt = chat_prompt(tokenizer, question(5))
-        head = [c async for c in doomed_client.generate(wire.GenerateRequest(
-            request_id="doomed", prompt_token_ids=prompt, hold_blocks=True,
-            sampling=wire.SamplingSpec(max_tokens=1)))][-1]
-        assert head.pull_source is not None
-    finally:
-        await doomed_client.close()
-        doomed.kill()
+    prompt = chat_prompt(tokenizer, question(5))
+    head = await lend_then_die("prefill", tmp_path, prompt, "doomed")
     reference = await _collect_chunks(clients.decode, wire.GenerateRequest(
         request_id="doomed-ref", prompt_token_ids=prompt, cache_salt="reference-doomed",
         sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))

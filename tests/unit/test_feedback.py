@@ -86,3 +86,30 @@ def test_fed_back_transfers_are_stamped_with_the_clock_and_forgotten_after_the_m
     assert loop.calibration.calibrated_model(now).link("prefill-a", "decode-a").bandwidth_bytes_per_second < 11e6
     forgotten = loop.calibration.calibrated_model(now + MEASUREMENT_MEMORY_SECONDS + 1)
     assert forgotten.link("prefill-a", "decode-a") == loop.calibration.base.default_link  # the prior
+
+
+def pull() -> Plan:
+    return Plan(kind=PlanKind.PULL, prefill_worker=None, decode_worker="unified-b", source_worker="unified-a",
+                lend_tokens=1024)
+
+
+def test_a_pull_teaches_the_link_from_its_source_and_never_the_prefill_speed():
+    loop, _, _ = feedback()
+    timed: list[str] = []
+    loop.calibration.observe_prefill = lambda role, *args, **kwargs: timed.append(role)
+    pulled = record(predicted=1024, stored=1024, reused=1024)
+    pulled.actual.transfer_bytes, pulled.actual.transfer_seconds = 50_000_000, 5.0
+    pulled.actual.ttft = 9.0  # lend + transfer + the rest: not how fast unified-b prefills
+    loop.observe(pull(), pulled, idle_at_start=True, prefilling_role="unified")
+    assert loop.calibration.calibrated_model(time.monotonic()).link(
+        "unified-a", "unified-b").bandwidth_bytes_per_second < 11e6
+    assert timed == []
+    local = Plan(kind=PlanKind.LOCAL, prefill_worker=None, decode_worker="unified-b")
+    loop.observe(local, pulled, idle_at_start=True, prefilling_role="unified")
+    assert timed == ["unified"]  # the same timings from a LOCAL plan do calibrate
+
+
+def test_a_pull_that_reused_less_than_its_source_had_stored_reloads_the_source_index():
+    loop, sync, metrics = feedback()
+    loop.observe(pull(), record(predicted=1024, stored=1024, reused=0), idle_at_start=False)
+    assert sync.resynced == ["unified-a"] and count(metrics, "kvroute_index_mispredictions", "unified-a") == 1

@@ -1,11 +1,13 @@
-"""Unified workers in the planner: one engine in both pools, serving alone (LOCAL), lending a
-prefix it holds to another replica (DISAGG between replicas), or decoding what another prefilled."""
+"""Unified workers in the planner: one engine in both pools, serving alone (LOCAL), prefilling
+for another replica (DISAGG between replicas), lending a prefix it holds to another replica
+that computes the rest (PULL), or decoding what another prefilled."""
 
 from __future__ import annotations
 
 import pytest
 
 from foundation import wire
+from orchestrator.decisions import plan_summary
 from orchestrator.planner.cost_model import CostModel, neighbour_busy_seconds
 from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.policies import POLICIES, make_policy
@@ -51,12 +53,43 @@ def test_an_idle_replica_holding_the_prompt_serves_it_itself():
     assert decision.chosen.estimate.reused_tokens == REQUEST.prompt_tokens - 1  # the last token is always computed
 
 
-def test_a_warm_replica_busy_decoding_prefills_for_an_idle_one_that_pulls_the_blocks():
-    warm_busy = unified("u1", cached_blocks=57, num_running=6)
-    decision = decide([unified("u0"), warm_busy])
+def test_a_replica_busy_decoding_serves_a_prompt_it_holds_whole_itself():
+    # One token to compute costs its running decodes less than any hand-off costs the request.
+    decision = decide([unified("u0"), unified("u1", cached_blocks=57, num_running=6)])
+    assert (decision.chosen.kind, decision.chosen.decode_worker) == (PlanKind.LOCAL, "u1")
+
+
+def test_a_replica_busy_decoding_lends_the_prefix_it_holds_to_an_idle_one():
+    decision = decide([unified("u0"), unified("u1", cached_blocks=40, num_running=6)])
     chosen = decision.chosen
-    assert (chosen.kind, chosen.prefill_worker, chosen.decode_worker) == (PlanKind.DISAGG, "u1", "u0")
-    assert chosen.estimate.transfer_bytes == 57 * BLOCK * 23_040
+    assert (chosen.kind, chosen.source_worker, chosen.decode_worker) == (PlanKind.PULL, "u1", "u0")
+    assert chosen.lend_tokens == 40 * BLOCK and chosen.estimate.reused_tokens == 40 * BLOCK
+    assert chosen.estimate.transfer_bytes == 40 * BLOCK * 23_040 and chosen.estimate.gap == 0.0
+    assert chosen.workers == ("u1", "u0") and chosen.prefilling_worker == "u0"
+    assert "u1 lends 40/57 blocks" in decision.reason
+    # Prefilling the other 17 blocks on u1 would stall its six decodes: the DISAGG plan says so.
+    (disagg,) = [p for p in decision.alternatives if p.kind is PlanKind.DISAGG and p.prefill_worker == "u1"]
+    assert disagg.estimate.interference > chosen.estimate.interference
+
+
+def test_an_idle_replica_holding_part_of_the_prompt_computes_the_rest_itself():
+    decision = decide([unified("u0"), unified("u1", cached_blocks=40)])
+    assert (decision.chosen.kind, decision.chosen.decode_worker) == (PlanKind.LOCAL, "u1")
+
+
+def test_a_pull_is_costed_only_into_a_unified_worker_that_holds_less_of_the_prompt():
+    decision = decide([unified("u0", cached_blocks=40), unified("u1", cached_blocks=40, num_running=6)])
+    assert PlanKind.PULL not in {plan.kind for plan in decision.alternatives}
+    decode = WorkerView("d0", "decode", 0, 0, 0, 1000, 1000, BLOCK, BLOCK * 23_040)
+    warm = unified("u1", cached_blocks=40, num_running=6)
+    decision = make_policy("cache_aware").decide(REQUEST, [warm], [decode, warm], MODEL)
+    assert PlanKind.PULL not in {plan.kind for plan in decision.alternatives}
+
+
+def test_a_pull_never_lends_the_last_token():
+    whole = unified("u1", cached_blocks=57, num_running=6)
+    (pull,) = [p for p in decide([unified("u0"), whole]).alternatives if p.kind is PlanKind.PULL]
+    assert pull.lend_tokens == (REQUEST.prompt_tokens - 1) // BLOCK * BLOCK  # 56 blocks: 896 tokens
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"cache_aware", "local_only"}))
@@ -79,3 +112,10 @@ def test_a_busy_unified_neighbour_counts_as_decoding_throughout():
 
 def test_the_cache_aware_planner_is_the_default_policy_class():
     assert isinstance(make_policy("cache_aware"), CacheAwarePlanner)
+
+
+def test_a_pull_is_recorded_with_its_source_and_lent_tokens():
+    chosen = decide([unified("u0"), unified("u1", cached_blocks=40, num_running=6)]).chosen
+    summary = plan_summary(chosen)
+    assert (summary["kind"], summary["source_worker"], summary["lend_tokens"]) == ("pull", "u1", 40 * BLOCK)
+    assert summary["prefill_worker"] is None and summary["decode_worker"] == "u0"
