@@ -69,12 +69,17 @@ class PoolSettings:
     pull_timeout_seconds: float = setting(WorkerSettings.pull_timeout_seconds,
                                           "seconds a decode worker waits for a pull of KV before it recomputes "
                                           "the prompt itself")
+    long_prefill_tokens: int = setting(-1, "most tokens of one prompt in an engine step while other requests "
+                                           "run or wait, given to every worker; -1: the role's default (256 on "
+                                           "prefill and decode workers, none on unified ones), 0: no cap")
 
     def __post_init__(self):
         if self.topology.strip().lower() != AUTO:
             parse_spec(self.topology)  # a bad spec fails here, before anything starts
         if self.cores_per_engine < 1:
             raise ValueError("cores_per_engine must be at least 1")
+        if self.long_prefill_tokens < -1:
+            raise ValueError("long_prefill_tokens must be -1 (the role's default), 0 (no cap) or positive")
         if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
             raise ValueError("KV cache sizes must be positive")
         check_transfer_link(self.transfer_link)
@@ -88,7 +93,8 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             *(["--omp-threads-bind", engine.cores] if engine.cores else []),
             "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
             *([] if pool.shared_copies else ["--no-shared-copies"]),
-            *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"])]
+            *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
+            *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else [])]
 
 
 def machine_topology(pool: PoolSettings) -> Topology:

@@ -46,8 +46,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--long-prefill-tokens", type=int, default=None,
                         help="most prompt tokens one request computes per engine step while others wait; "
-                             "0: no cap (default: 256, so a long prompt cannot hold arriving KV pulls, "
-                             "running streams or a waiting cache hit for seconds)")
+                             "0: no cap (default: 256 on prefill and decode workers, so a long prompt cannot "
+                             "hold arriving KV pulls, running streams or a waiting cache hit for seconds; "
+                             "none on unified workers, which serve like one plain vLLM server)")
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="most prompt tokens one engine step computes over all requests "
                              "(default: the engine's, 2048)")

@@ -6,12 +6,19 @@ import pytest
 
 from worker.cli_args import add_worker_arguments, settings_from_args
 from worker.engine import engine_args
-from worker.settings import DECODE_LONG_PREFILL_TOKENS, PREFILL_LONG_PREFILL_TOKENS, WorkerSettings
+from worker.settings import (
+    DECODE_LONG_PREFILL_TOKENS,
+    PREFILL_LONG_PREFILL_TOKENS,
+    UNIFIED_LONG_PREFILL_TOKENS,
+    WorkerSettings,
+)
 
 
 @pytest.mark.parametrize("role, explicit, expected", [
     ("decode", None, DECODE_LONG_PREFILL_TOKENS),  # a local prefill must not hold pulls and streams
     ("prefill", None, PREFILL_LONG_PREFILL_TOKENS),  # a hit must not share one step with a whole cold prompt
+    ("unified", None, UNIFIED_LONG_PREFILL_TOKENS),  # serving alone, as one plain vLLM server: no cap
+    ("unified", 256, 256),
     ("decode", 0, 0),
     ("prefill", 512, 512),
 ])
