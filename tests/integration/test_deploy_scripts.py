@@ -102,6 +102,15 @@ def flag_values(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
 
 
+def kill_group(pid: int | None) -> None:
+    """Whatever a test left of a started worker's process group goes."""
+    if pid is not None:
+        try:
+            os.killpg(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
 # ---------------------------------------------------------------- argument errors
 
 
@@ -117,14 +126,6 @@ def flag_values(argv: list[str], flag: str) -> list[str]:
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--kv-cache-gib", "1"], "unknown option"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--python", "/no/such/python"], "not found"),
 ])
-
-def kill_group(pid: int | None) -> None:
-    """Whatever a test left of a started worker's process group goes."""
-    if pid is not None:
-        try:
-            os.killpg(pid, 9)
-        except ProcessLookupError:
-            pass
 
 def test_start_pool_refuses_bad_arguments(fakes, args, message):
     result = run(START, *args, "--log-dir", str(fakes["log_dir"]), env=fakes["env"])
