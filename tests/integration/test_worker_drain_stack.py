@@ -1,7 +1,8 @@
 """Graceful drain with real processes: the launcher signals a worker before its engine
 processes, and, through the OpenAI API, an orchestrator and synthetic-engine workers
 (``testing.synthetic_worker``, tokens a pure function of the context), one of which is sent
-SIGTERM mid-stream: its stream completes and new requests go elsewhere."""
+SIGTERM mid-stream: its stream completes and new requests go elsewhere (decode workers and
+unified replicas alike)."""
 
 from __future__ import annotations
 
@@ -155,3 +156,27 @@ def test_an_idle_worker_told_to_stop_exits_at_once(stack):
     assert time.monotonic() - started < 2
     assert httpx.get(stack.url + "/health", timeout=5).status_code == 200  # one decode worker is left
     complete(stack, "Served by the one decode worker left.")
+
+
+def test_a_unified_worker_told_to_stop_mid_stream_finishes_it_and_leaves(tmp_path):
+    with running_synthetic_stack(resolve_model(None), tmp_path / "stack.log",
+                                 ["--policy", "round_robin", "--heartbeat-timeout-seconds", "30"],
+                                 token_seconds=0.05, roles=("unified", "unified", "unified")) as replicas:
+        prompt = "A replica told to stop finishes what it started."
+        expected = "".join(chunk.choices[0].text for chunk in stream(replicas, prompt) if chunk.choices)
+        text, draining = [], None
+        for number, chunk in enumerate(stream(replicas, prompt)):
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+            if number == 5:
+                draining = decode_worker_of(replicas, chunk.id)
+                replicas.worker_processes[draining].send_signal(signal.SIGTERM)
+                wait_until(lambda: metric(replicas, 'kvroute_workers_draining{role="unified"}') == 1, 2)
+                placed_before = placed_on(replicas, draining)
+                for late in range(3):  # round robin over three replicas would have sent one to it
+                    complete(replicas, f"Arrived after the drain started, number {late}.")
+                assert placed_on(replicas, draining) == placed_before
+        assert "".join(text) == expected
+        assert replicas.worker_processes[draining].wait(5) == 0
+        wait_until(lambda: draining not in {w["worker_id"] for w in workers(replicas)}, 2)
+        assert httpx.get(replicas.url + "/health", timeout=5).json()["unified_workers"] == 2
