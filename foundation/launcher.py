@@ -63,18 +63,24 @@ class LaunchedWorker:
         process by a few seconds, so what is left of the group gets SIGTERM once it is gone.
         ``grace`` also bounds how long the worker's running requests get to finish.
         """
-        deadline = time.monotonic() + grace
-        self.process.send_signal(signal.SIGTERM)
-        _wait_until(lambda: self.process.poll() is not None, deadline)  # poll() reaps it, too
-        _signal_group(self.process, signal.SIGTERM)
-        _wait_until(lambda: not _group_alive(self.process), deadline)
-        _signal_group(self.process, signal.SIGKILL)
+        stop_group(self.process, grace)
         self.process.wait(10)
 
     def kill(self) -> None:
         """Die at once, as a crashed worker would."""
         _signal_group(self.process, signal.SIGKILL)
         self.process.wait(10)
+
+
+def stop_group(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the leader alone, then (once it is gone) the rest of its process group; SIGKILL
+    whatever of the group outlives ``grace``. The caller reaps the leader."""
+    deadline = time.monotonic() + grace
+    process.send_signal(signal.SIGTERM)  # a no-op once the leader has been reaped
+    _wait_until(lambda: process.poll() is not None, deadline)  # poll() reaps it, too
+    _signal_group(process, signal.SIGTERM)
+    _wait_until(lambda: not _group_alive(process), deadline)
+    _signal_group(process, signal.SIGKILL)
 
 
 def stop_all(workers: list[LaunchedWorker], grace: float = 20.0) -> None:

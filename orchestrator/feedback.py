@@ -46,7 +46,7 @@ class Feedback:
                         record.request_id, record.predicted_reused_tokens, prefilling,
                         record.predicted_reused_tokens - record.predicted_stored_tokens, record.actual.reused_tokens)
         actual, now = record.actual, time.monotonic()
-        lender = plan.prefill_worker or plan.source_worker
+        lender = plan.lending_worker
         if lender and actual.transfer_bytes:
             self.calibration.observe_link(lender, plan.decode_worker, actual.transfer_bytes, actual.transfer_seconds,
                                            now=now)

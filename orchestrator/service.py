@@ -326,12 +326,12 @@ class CompletionService:
         if plan.kind is PlanKind.LOCAL:
             return generate_local(decode, handoff, job.prompt_token_ids, job.sampling, job.cache_salt,
                                   self.worker_timeout, self._patience(plan.decode_worker, job))
-        lender = plan.prefill_worker or plan.source_worker
+        lender = plan.lending_worker
         patience = Patience(prefill=self._patience(lender, job), decode=self._patience(plan.decode_worker, job))
         if plan.kind is PlanKind.PULL:
             return generate_pulled(self._client(lender), decode, handoff, job.prompt_token_ids, plan.lend_tokens,
                                    job.sampling, job.cache_salt, self.worker_timeout, patience)
-        return generate_disaggregated(self._client(plan.prefill_worker), decode, handoff, job.prompt_token_ids,
+        return generate_disaggregated(self._client(lender), decode, handoff, job.prompt_token_ids,
                                       job.sampling, job.cache_salt, self.worker_timeout, patience)
 
     def _patience(self, worker_id: str, job: Job) -> OnTimeout:

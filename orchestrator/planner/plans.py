@@ -149,7 +149,7 @@ def pull_plan(request: RequestView, source: WorkerView, sink: WorkerView, model:
     lend_tokens = lent * block
     lend = cost.prefill_seconds(model, block, max(0, lend_tokens - block), source.role, source.worker_id)
     lend_wait = cost.queue_wait_seconds(model, source, lend)
-    missing_bytes = max(0, lent - min(sink.reusable_blocks, lent)) * cost.block_bytes(model, sink)
+    missing_bytes = max(0, lent - sink.reusable_blocks) * cost.block_bytes(model, sink)
     transfer = cost.transfer_seconds(missing_bytes, model.link(source.worker_id, sink.worker_id))
     reused = max(lend_tokens, reused_tokens(request, sink))
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, sink.role, sink.worker_id)

@@ -109,8 +109,13 @@ class Plan:
 
     @property
     def workers(self) -> tuple[str, ...]:
-        lender = self.prefill_worker or self.source_worker
+        lender = self.lending_worker
         return (lender, self.decode_worker) if lender else (self.decode_worker,)
+
+    @property
+    def lending_worker(self) -> str | None:
+        """The worker whose blocks the decode worker pulls: a DISAGG's prefill worker, a PULL's source."""
+        return self.prefill_worker or self.source_worker
 
     @property
     def prefilling_worker(self) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from foundation.launcher import spawn, tail
+from foundation.launcher import spawn, stop_group, tail
 from kvroute.bench.peers.plans import RESET_KVROUTE, Launch, Plan
 from kvroute.bench.replay_server import ReplayServer
 
@@ -66,13 +65,7 @@ class Process:
     def stop(self, grace: float) -> None:
         """SIGTERM the leader (kvroute serve then stops its own workers), then its group; SIGKILL
         what is left of the group after ``grace``."""
-        deadline = time.monotonic() + grace
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-        _wait_until(lambda: self.popen.poll() is not None, deadline)
-        _signal_group(self.popen, signal.SIGTERM)
-        _wait_until(lambda: not _group_alive(self.popen), deadline)
-        _signal_group(self.popen, signal.SIGKILL)
+        stop_group(self.popen, grace)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
 
@@ -188,20 +181,3 @@ def _read(path: Path) -> str:
     except OSError:
         return ""
 
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, sig)
-
-
-def _group_alive(popen: subprocess.Popen) -> bool:
-    try:
-        os.killpg(popen.pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _wait_until(condition: Callable[[], bool], deadline: float) -> None:
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
