@@ -22,8 +22,9 @@ from kvroute.bench.peers.run import Skipped, SweepSettings, sweep
 
 RATES = (4.0, 8.0)  # two rates: the goodput is the larger one that passes
 REQUESTS = 5
-# The slow stack's 30 ms per token misses the TPOT target; the fast stack's 2 ms meets it.
-TARGETS = report.Targets(ttft_s=5.0, tpot_s=0.02)
+# The slow stack's 80 ms per token misses the TPOT target; the fast stack's 2 ms meets it, with
+# room for a loaded 2-core machine (at 20 ms it once missed it by a hair).
+TARGETS = report.Targets(ttft_s=5.0, tpot_s=0.04)
 
 
 def synthetic_plan(system: str, token_seconds: float, kvroute_api: bool) -> Plan:
@@ -61,7 +62,7 @@ def test_a_sweep_over_two_synthetic_systems(tmp_path, monkeypatch):
     monkeypatch.setattr(systems.Process, "__init__", remember)
     settings = SweepSettings(("repository-assistant",), RATES, sources.SourceSettings(REQUESTS), TARGETS,
                              start_timeout_s=120, request_timeout_s=60, warmup_requests=0)
-    plans = [synthetic_plan("kvroute", 0.03, kvroute_api=True), synthetic_plan("fast-peer", 0.002, False),
+    plans = [synthetic_plan("kvroute", 0.08, kvroute_api=True), synthetic_plan("fast-peer", 0.002, False),
              Skipped("router-pd", "no P/D connector here")]
     console = Console(record=True, width=200)
     result = sweep(plans, settings, tmp_path, console)
