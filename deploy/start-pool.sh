@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start a pool of kvroute workers of one role on this machine.
 #
-#   deploy/start-pool.sh ROLE COUNT --orchestrator ADDR [--model M] [--host H]
-#                        [--log-dir DIR] [--python PY] [-- extra worker flags...]
+#   deploy/start-pool.sh ROLE COUNT --orchestrator ADDR (--cluster-keys DIR | --insecure-no-auth)
+#                        [--model M] [--host H] [--log-dir DIR] [--python PY] [-- extra worker flags...]
 #
 # One worker per GPU where `nvidia-smi -L` finds GPUs (worker i gets the i-th GPU
 # through CUDA_VISIBLE_DEVICES; COUNT "auto" means one per GPU); otherwise worker i
@@ -24,7 +24,8 @@ STARTUP_CHECK_SECONDS=${KVROUTE_POOL_STARTUP_CHECK:-2}
 
 usage() {
     cat <<EOF
-usage: $PROG ROLE COUNT --orchestrator ADDR [options] [-- extra worker flags...]
+usage: $PROG ROLE COUNT --orchestrator ADDR (--cluster-keys DIR | --insecure-no-auth) [options]
+       [-- extra worker flags...]
 
 Start COUNT kvroute workers of ROLE on this machine, each in its own process group.
 
@@ -32,6 +33,10 @@ Start COUNT kvroute workers of ROLE on this machine, each in its own process gro
   COUNT                 number of workers, or "auto" for one per GPU
   --orchestrator ADDR   registry address of the orchestrator, e.g. tcp://10.0.0.1:7001
                         (host:port is accepted too); repeat for orchestrator replicas
+  --cluster-keys DIR    the cluster's key folder (kvroute keys init / worker-set; default:
+                        \$KVROUTE_CLUSTER_KEYS): every ZeroMQ socket authenticated and encrypted
+  --insecure-no-auth    no keys: sockets in clear, open to anyone who reaches them (only on
+                        a network nobody else can reach)
   --model M             model folder or hub id (must match the orchestrator's)
   --host H              address other machines use to reach these workers; the workers
                         then bind 0.0.0.0 (override with -- --bind-host IP)
@@ -68,6 +73,8 @@ group_alive() {
 
 positional=()
 orchestrators=()
+cluster_keys=${KVROUTE_CLUSTER_KEYS:-}
+insecure=
 model=""
 host=""
 log_dir=$DEFAULT_LOG_DIR
@@ -79,6 +86,9 @@ while [[ $# -gt 0 ]]; do
         -h | --help) usage; exit 0 ;;
         --orchestrator) need_value "$1" $# "${2:-}"; orchestrators+=("$2"); shift 2 ;;
         --orchestrator=*) orchestrators+=("${1#*=}"); shift ;;
+        --cluster-keys) need_value "$1" $# "${2:-}"; cluster_keys=$2; shift 2 ;;
+        --cluster-keys=*) cluster_keys=${1#*=}; shift ;;
+        --insecure-no-auth) insecure=1; shift ;;
         --model) need_value "$1" $# "${2:-}"; model=$2; shift 2 ;;
         --model=*) model=${1#*=}; shift ;;
         --host) need_value "$1" $# "${2:-}"; host=$2; shift 2 ;;
@@ -102,6 +112,9 @@ case $role in
     *) die "ROLE must be 'prefill', 'decode' or 'unified', not '$role'" ;;
 esac
 
+[[ -n $cluster_keys || -n $insecure ]] || die "--cluster-keys DIR is required (create it with: kvroute keys init DIR), or --insecure-no-auth on a network nobody else can reach"
+[[ -z $cluster_keys || -z $insecure ]] || die "--cluster-keys and --insecure-no-auth exclude each other"
+[[ -z $cluster_keys || -d $cluster_keys ]] || die "--cluster-keys '$cluster_keys' is not a folder (create it with: kvroute keys init DIR)"
 [[ ${#orchestrators[@]} -gt 0 ]] || die "--orchestrator ADDR is required (the orchestrator's registry, e.g. tcp://10.0.0.1:7001)"
 for i in "${!orchestrators[@]}"; do
     address=${orchestrators[$i]}
@@ -177,6 +190,7 @@ done
 base_args=(-m kvroute "$role-worker")
 for address in "${orchestrators[@]}"; do base_args+=(--orchestrator "$address"); done
 [[ -z $model ]] || base_args+=(--model "$model")
+if [[ -n $cluster_keys ]]; then base_args+=(--cluster-keys "$(cd -- "$cluster_keys" && pwd)"); else base_args+=(--insecure-no-auth); fi
 [[ -z $host ]] || base_args+=(--host "$host" --bind-host 0.0.0.0)
 
 started=()

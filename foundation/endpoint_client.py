@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import zmq
 
 from foundation import wire
+from foundation.zmq_auth import secure_client
 
 
 class PullFailed(RuntimeError):
@@ -28,7 +29,7 @@ class Channel:
     def __init__(self, context: zmq.Context, address: str, deadline: float, socket: zmq.Socket | None = None):
         self.deadline = deadline
         if socket is None:
-            socket = context.socket(zmq.DEALER)
+            socket = secure_client(context.socket(zmq.DEALER), "worker", transfer=True)
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
         self.socket = socket

@@ -33,15 +33,18 @@ class Namespace:
     tenant: str = "anonymous"
     scope: str = "default"  # authorisation scope within the tenant
 
-    def cache_salt(self) -> str:
-        """Stable, opaque, and different for any difference in any field."""
-        return _cache_salt(self)
+    def cache_salt(self, secret: bytes | None = None) -> str:
+        """Stable, opaque, and different for any difference in any field. ``secret``: the
+        cluster's salt secret (foundation.cluster_keys), which keys the hash, so knowing a
+        tenant's name and the model gives no salt to probe its cache with; None: unkeyed
+        (a cluster run with --insecure-no-auth)."""
+        return _cache_salt(self, secret)
 
 
 @functools.lru_cache(maxsize=4096)  # computed on every request; a deployment has few namespaces
-def _cache_salt(namespace: Namespace) -> str:
+def _cache_salt(namespace: Namespace, secret: bytes | None) -> str:
     canonical = json.dumps(asdict(namespace), sort_keys=True, separators=(",", ":"))
-    return SALT_PREFIX + hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+    return SALT_PREFIX + hashlib.blake2b(canonical.encode(), key=secret or b"", digest_size=16).hexdigest()
 
 
 BlockHash = int

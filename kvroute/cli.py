@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from foundation import config, model_prep
+from foundation import cluster_keys, config, model_prep
 from worker import cli_args as worker_cli
 
 
@@ -30,8 +31,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     config.add_arguments(serve, PoolSettings, with_config_flag=False)
     serve.set_defaults(func=_run_serve)
+    _add_keys_commands(commands)
     _add_bench_commands(commands)
     return parser
+
+
+def _add_keys_commands(commands) -> None:
+    keys = commands.add_parser("keys", help="the cluster's keys (docs/security.md)")
+    actions = keys.add_subparsers(dest="keys", required=True)
+    init = actions.add_parser("init", help="create a key folder: CURVE keys of the orchestrator and worker roles "
+                                           "and the secret cache salts are keyed by")
+    init.add_argument("folder", type=Path)
+    init.set_defaults(func=lambda args: _print(f"cluster keys written to {cluster_keys.init(args.folder)}; give "
+                                               f"every process --cluster-keys {args.folder}"))
+    workers = actions.add_parser("worker-set", help="copy what a worker needs (both public keys and the worker's "
+                                                    "secret; not the orchestrator's secret or the salt secret)")
+    workers.add_argument("folder", type=Path, help="the full key folder")
+    workers.add_argument("out", type=Path, help="the new folder for workers")
+    workers.set_defaults(func=lambda args: _print(f"worker keys written to "
+                                                  f"{cluster_keys.worker_set(args.folder, args.out)}"))
+
+
+def _print(line: str) -> int:
+    print(line)
+    return 0
 
 
 def _add_bench_commands(commands) -> None:

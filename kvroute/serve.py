@@ -14,12 +14,14 @@ import contextlib
 import logging
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import uvicorn
 import uvloop
 
+from foundation import cluster_keys
 from foundation.config import setting
 from foundation.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
 from foundation.model_prep import resolve_model
@@ -94,7 +96,21 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
             *([] if pool.shared_copies else ["--no-shared-copies"]),
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
-            *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else [])]
+            *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),
+            *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
+            "--transfer-encryption", orchestrator.transfer_encryption]
+
+
+@contextlib.contextmanager
+def run_keys(orchestrator: OrchestratorSettings) -> Iterator[OrchestratorSettings]:
+    """The embedded default is authenticated with no flag: without --cluster-keys (or an
+    explicit --insecure-no-auth) the run gets a key folder of its own, gone when it stops."""
+    if orchestrator.cluster_keys or orchestrator.insecure_no_auth:
+        yield orchestrator
+        return
+    with cluster_keys.temporary() as folder:
+        logger.info("cluster keys for this run in %s (give --cluster-keys DIR to use your own)", folder)
+        yield replace(orchestrator, cluster_keys=str(folder))
 
 
 def machine_topology(pool: PoolSettings) -> Topology:
@@ -188,7 +204,8 @@ def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # uvicorn's loop="uvloop" only applies when uvicorn owns the loop; here serve() does.
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        with run_keys(orchestrator) as orchestrator, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            orchestrator.configure_security()
             runner.run(serve(orchestrator, pool))
     except WorkerStartError as error:
         logger.error("%s", error)

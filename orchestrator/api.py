@@ -40,6 +40,7 @@ class ApiContext:
     index_sync: IndexSync
     allow_policy_override: bool = False
     rate_limits: TenantRateLimits = field(default_factory=TenantRateLimits)
+    salt_secret: bytes | None = None  # the cluster's (foundation.cluster_keys); None: unkeyed salts
 
     def namespace(self, request: Request) -> Namespace:
         principal = request.state.principal
@@ -158,7 +159,7 @@ def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, reques
           shape: ChatShape) -> list[Job]:
     response_id = shape.id_prefix + uuid.uuid4().hex
     policy = context.policy_for(request)
-    salt = context.namespace(request).cache_salt()
+    salt = context.namespace(request).cache_salt(context.salt_secret)
     jobs = [_job(body, prompt, context) for prompt in prompts]
     for index, job in enumerate(jobs):
         job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt

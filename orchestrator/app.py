@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from foundation import zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from orchestrator.api import ApiContext, build_routers
 from orchestrator.auth import ApiKeys
@@ -73,8 +74,10 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()
     rate_limits = TenantRateLimits(settings.default_rate_limit(), api_keys.rate_limits,
                                    on_limited=metrics.observe_rate_limited)
+    security = zmq_auth.current()
     context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
-                         settings.allow_policy_override, rate_limits)
+                         settings.allow_policy_override, rate_limits,
+                         salt_secret=security.keys.salt_secret if security.keys else None)
     for router in build_routers(context):
         app.include_router(router)
     return app
@@ -83,4 +86,5 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
 def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.configure_security()
     uvicorn.run(create_app(settings), **settings.http_server_options(), timeout_graceful_shutdown=10)

@@ -17,6 +17,7 @@ import zmq
 
 from foundation import wire
 from foundation.netutil import async_context
+from foundation.zmq_auth import secure_server
 from orchestrator.circuit_breaker import BreakerSettings, CircuitBreakers
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.registry import Verdict, WorkerRegistry, WorkerView
@@ -48,7 +49,7 @@ class Fleet:
         self.listeners: list = []
 
     async def start(self) -> None:
-        self._socket = async_context().socket(zmq.ROUTER)
+        self._socket = secure_server(async_context().socket(zmq.ROUTER), "orchestrator")
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self._bind_address)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._expire_loop())]

@@ -23,6 +23,7 @@ import zmq
 
 from foundation import kv_events, wire
 from foundation.netutil import async_context
+from foundation.zmq_auth import secure_client
 from orchestrator.index import PrefixIndex
 from orchestrator.registry import WorkerView
 from orchestrator.worker_client import WorkerClient, WorkerError
@@ -57,7 +58,7 @@ class WorkerIndexSync:
         self._resyncing = False
 
     async def run(self) -> None:
-        socket = async_context().socket(zmq.SUB)
+        socket = secure_client(async_context().socket(zmq.SUB), "worker")
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC)
         socket.connect(self.worker.kv_events_address)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from foundation import zmq_auth
 from foundation.config import setting
 from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.pending_blocks import PendingSettings
@@ -54,6 +55,14 @@ class OrchestratorSettings:
     rpc_retry_base_seconds: float = setting(0.1, "backoff before the second attempt; doubling up to 2 s, "
                                                  "minus up to half at random")
     max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
+    cluster_keys: str = setting("", "the cluster's key folder (`kvroute keys init DIR`): the registry and every "
+                                    "ZeroMQ socket are authenticated and encrypted with it; `kvroute serve` "
+                                    "makes one for its run when none is given")
+    insecure_no_auth: bool = setting(False, "no cluster keys: ZeroMQ sockets in clear, open to anyone who reaches "
+                                            "them; only on a network nobody else can reach")
+    transfer_encryption: str = setting("on", "on: KV bytes under CURVE too; off: in clear, and transfer endpoints "
+                                             "open to any peer, only on fabrics nobody else can reach; alike on "
+                                             "every process of the cluster (docs/security.md)")
     api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
     tenant_rate_limit: float = setting(0.0, "completion requests per second each tenant may send (a token bucket "
                                             "per tenant; over it: 429 and the seconds to wait); a key's rate_limit in "
@@ -69,6 +78,8 @@ class OrchestratorSettings:
                                       "already gets one on kvroute.decisions")
 
     def __post_init__(self):
+        if self.transfer_encryption not in ("on", "off"):
+            raise ValueError(f"transfer_encryption must be 'on' or 'off', got {self.transfer_encryption!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.max_attempts < 1:
@@ -109,6 +120,11 @@ class OrchestratorSettings:
     def default_rate_limit(self) -> RateLimit | None:
         """The limit of every tenant whose keys set none; None: not limited."""
         return RateLimit.of(self.tenant_rate_limit, self.tenant_burst)
+
+    def configure_security(self) -> None:
+        """How this process's ZeroMQ sockets speak (foundation.zmq_auth); at start."""
+        zmq_auth.configure_from_flags(self.cluster_keys, self.insecure_no_auth, "orchestrator",
+                                      self.transfer_encryption == "on")
 
     @property
     def registry_address(self) -> str:

@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from foundation import wire
 from foundation.netutil import async_context
+from foundation.zmq_auth import secure_client
 from orchestrator.retry import RetryPolicy, with_retries
 
 logger = logging.getLogger("kvroute.orchestrator.client")
@@ -56,7 +57,7 @@ class WorkerClient:
         self.address = address
         self.retry = retry
         self._context = context or async_context()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._socket = secure_client(self._context.socket(zmq.DEALER), "worker")
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
         # Sends and receives go through the same socket without the asyncio wrapper: per

@@ -60,6 +60,58 @@ class Stack:
         return found
 
 
+def listening_sockets(root_pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in ``root_pid`` and its descendants."""
+    pids = _descendants(root_pid)
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                address, port = local.split(":")
+                found.append((_unhex_address(address, width), int(port, 16)))
+    return found
+
+
+def _descendants(root_pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, stack = set(), [root_pid]
+    while stack:
+        pid = stack.pop()
+        found.add(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def _unhex_address(address: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(address)
+    # /proc/net stores each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw)) if width == 8 else str(ipaddress.IPv6Address(raw))
+
+
 def wait_healthy(url: str, processes: list[subprocess.Popen], log_path: Path, timeout: float) -> float:
     """Seconds until ``url``/health answered 200; raises if a process exits or time runs out first."""
     start = time.monotonic()

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foundation import wire
+from foundation import wire, zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context
 from transfer.connector_scheduler import PARAMS_KEY, prompt_digest
@@ -217,12 +217,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-seconds", type=float, default=WorkerSettings.drain_seconds,
                         help="on SIGTERM, wait this long at most for running requests (default: %(default)s)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
+    zmq_auth.add_security_arguments(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    zmq_auth.configure_from_flags(args.cluster_keys, args.insecure_no_auth, "worker",
+                                  args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
                               worker_id=args.worker_id, drain_seconds=args.drain_seconds)
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)

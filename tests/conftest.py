@@ -9,14 +9,23 @@
 
 The marker is applied here, by path, so a file cannot forget it, and a test outside the
 four folders fails the collection. Every run ends with the time spent in each tier.
+
+Every test speaks under one cluster key folder made for the run, as a deployment does:
+this process (which plays the orchestrator, and hosts worker-side servers in contract
+tests) and, through ``KVROUTE_CLUSTER_KEYS``, every process a test starts.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+
+from foundation import cluster_keys, zmq_auth
 
 TIERS = ("unit", "contract", "integration", "e2e")
 TESTS = Path(__file__).resolve().parent
@@ -60,6 +69,17 @@ class TierLedger:
 
 
 LEDGER = TierLedger()
+_KEY_FOLDER = Path(tempfile.mkdtemp(prefix="kvroute-test-keys-"))
+
+
+def pytest_configure(config) -> None:
+    keys = cluster_keys.load(cluster_keys.init(_KEY_FOLDER))
+    os.environ["KVROUTE_CLUSTER_KEYS"] = str(_KEY_FOLDER)
+    zmq_auth.configure(keys, "orchestrator")
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_KEY_FOLDER, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -36,6 +36,7 @@ import torch
 import zmq
 
 from foundation import wire
+from foundation.zmq_auth import secure_server
 from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
@@ -87,7 +88,7 @@ class BlockServer:
         self.park_seconds = park_seconds
         self._context = context or zmq.Context.instance()
         self._cpus = cpus
-        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker", transfer=True)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind_address)
         self._buffers = SendBufferPool()

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from foundation import zmq_auth
 from transfer.connector_scheduler import ConnectorScheduler
 from transfer.connector_worker import ConnectorWorker
 from transfer.metadata import KVRouteConnectorMetadata
@@ -44,6 +45,9 @@ class KVRouteConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             dict(self._kv_transfer_config.kv_connector_extra_config))
+        # The engine's own process: it speaks on the transfer endpoint, so it needs the keys.
+        zmq_auth.configure_from_flags(settings.cluster_keys, settings.insecure_no_auth, "worker",
+                                      settings.transfer_encryption)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None

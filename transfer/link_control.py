@@ -32,6 +32,7 @@ import zmq
 
 from foundation import wire
 from foundation.endpoint_client import ChannelPool, PullFailed
+from foundation.zmq_auth import secure_client
 from transfer.block_client import LayerSink, pull_exchange
 from transfer.kv_layout import LayoutMismatch
 from transfer.link_names import ENDPOINT, LINK_CHOICES
@@ -113,7 +114,7 @@ def open_consumer_link(context: zmq.Context, address: str, layout: wire.KVLayout
                        settings: TransportSettings, timeout: float = LINK_OPEN_SECONDS) -> ConsumerLink:
     """Open a link from the producer at ``address`` to this consumer; raises PullFailed."""
     link_id = secrets.token_hex(16)
-    socket = context.socket(zmq.DEALER)
+    socket = secure_client(context.socket(zmq.DEALER), "worker", transfer=True)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     try:

@@ -43,6 +43,12 @@ class ConnectorSettings:
     # A consumer's pulled prompt blocks go first when its cache must evict (see
     # transfer.connector_scheduler); off: vLLM's plain LRU order.
     evict_pulled_first: bool = True
+    # How the transfer endpoint and links speak (foundation.zmq_auth): the cluster's key
+    # folder, or in clear when ``insecure_no_auth``; ``transfer_encryption`` off: KV bytes
+    # in clear under keys.
+    cluster_keys: str = ""
+    insecure_no_auth: bool = False
+    transfer_encryption: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from foundation.zmq_auth import add_security_arguments
 from transfer.link_names import LINK_CHOICES
 from worker.settings import WorkerSettings
 
@@ -72,6 +73,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep pulled prompt blocks in vLLM's plain LRU order (default: a decode worker "
                              "evicts the prompts it pulled before the ones it prefilled itself, since the "
                              "prefill worker most likely still holds them)")
+    add_security_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
@@ -93,7 +95,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
         step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
         transfer_link=args.transfer_link, shared_copies=args.shared_copies,
-        evict_pulled_first=args.evict_pulled_first)
+        evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,
+        insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on")
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

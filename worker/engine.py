@@ -38,16 +38,28 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_link": settings.transfer_link,
             "shared_copies": settings.shared_copies,
             "evict_pulled_first": settings.evict_pulled_first,
+            "cluster_keys": settings.cluster_keys,
+            "insecure_no_auth": settings.insecure_no_auth,
+            "transfer_encryption": settings.transfer_encryption,
         },
     )
+
+
+def local_events_address(settings: WorkerSettings) -> str:
+    if not settings.kv_events_local_address.startswith("ipc://"):
+        raise ValueError("the engine's KV events need a private ipc:// address (worker.event_relay), "
+                         f"got {settings.kv_events_local_address!r}")
+    return settings.kv_events_local_address
 
 
 def kv_events_config(settings: WorkerSettings) -> KVEventsConfig:
     return KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
-        # vLLM binds only wildcard endpoints and *connects* to any other address.
-        endpoint=tcp("*", settings.kv_events_port),
+        # vLLM binds wildcard and ipc endpoints and *connects* to any other address. It binds
+        # in clear, so an ipc socket in a private folder; worker.event_relay republishes the
+        # events on the advertised port under the cluster's keys.
+        endpoint=local_events_address(settings),
         topic=KV_EVENTS_TOPIC,
     )
 

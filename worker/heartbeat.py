@@ -20,6 +20,7 @@ import zmq
 
 from foundation import wire
 from foundation.netutil import async_context
+from foundation.zmq_auth import secure_client
 
 logger = logging.getLogger("kvroute.worker.heartbeat")
 BEATS_QUEUED = 4  # per orchestrator, while it is not connected; later beats are dropped
@@ -49,7 +50,7 @@ class HeartbeatSender:
         self._answered_by: dict[str, str] = {}  # address → id of the orchestrator that last replied
         self._unreachable: set[str] = set()
         for address in orchestrators:
-            socket = async_context().socket(zmq.DEALER)
+            socket = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, BEATS_QUEUED)
             socket.connect(address)

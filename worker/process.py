@@ -15,11 +15,12 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
 
-from foundation import wire
+from foundation import wire, zmq_auth
 from foundation.endpoint_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context, tcp
@@ -27,6 +28,7 @@ from worker.cores import core_binding
 from worker.drain import Drain, StopSignals, serve_until_stopped
 from worker.engine import KV_EVENTS_TOPIC, reset_prefix_cache, start_engine
 from worker.engine_stats import EngineStats
+from worker.event_relay import EventRelay
 from worker.heartbeat import HeartbeatSender, heartbeat_of
 from worker.prefill_probe import probe_prefill
 from worker.queued_prefill import head_prompt_age, queued_prefill
@@ -57,14 +59,15 @@ class Worker:
 
     async def run(self) -> None:
         signals = StopSignals()
+        relay = EventRelay(tcp(self.settings.bind_host, self.settings.kv_events_port)).start()
+        self.settings = replace(self.settings, kv_events_local_address=relay.local_address)
         self.engine = start_engine(self.settings, self.stats)
         try:
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.prefill_probe = await probe_prefill(self.engine, self.settings.probe_tokens)
             # Followed only from here: the probe's blocks, gone with its cache reset, never
             # enter the resident set that snapshots (and so orchestrators' indexes) are built from.
-            events_address = tcp(_local(self.settings.bind_host), self.settings.kv_events_port)
-            tasks = [asyncio.create_task(follow(self.resident, events_address, KV_EVENTS_TOPIC))]
+            tasks = [asyncio.create_task(follow(self.resident, relay.local_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat)
@@ -77,6 +80,7 @@ class Worker:
             logger.info("worker %s stopping its engine", self.settings.worker_id)
         finally:
             self.engine.shutdown()
+            relay.stop()
 
     async def _transfer_stats(self, attempts: int = 1) -> wire.TransferStatsReply:
         for attempt in range(attempts):
@@ -175,13 +179,10 @@ class Worker:
             tmp.replace(self.ready_file)
 
 
-def _local(bind_host: str) -> str:
-    """An address on this host that reaches a socket bound to ``bind_host``."""
-    return "127.0.0.1" if bind_host in ("0.0.0.0", "*") else bind_host
-
-
 def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    zmq_auth.configure_from_flags(settings.cluster_keys, settings.insecure_no_auth, "worker",
+                                  settings.transfer_encryption)
     try:
         asyncio.run(Worker(settings, ready_file).run())
     finally:

@@ -16,8 +16,9 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from foundation import wire
+from foundation import wire, zmq_auth
 from foundation.netutil import async_context
+from foundation.zmq_auth import peer_role, secure_server
 from worker.generation import engine_prompt, sampling_params, to_chunk
 from worker.queued_prefill import QueuedPrompt
 
@@ -43,7 +44,7 @@ class RpcServer:
         self._reset_cache = reset_cache
         self._transfer_of = transfer_of
         self._context = async_context()
-        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker")
         self._socket.setsockopt(zmq.LINGER, 0)
         # A reply to a caller whose connection is gone fails instead of vanishing, so a
         # request of an orchestrator that died is aborted, not run to max_tokens for nobody.
@@ -56,6 +57,7 @@ class RpcServer:
         # Pull sources handed to callers, each naming a lease the connector grants: a
         # draining producer compares this with the grants to know none is still on its way.
         self.num_pull_sources_sent = 0
+        self._refused_peers = 0  # messages from members that are not an orchestrator
         self._idle = asyncio.Event()  # set while no generate runs
         self._idle.set()
 
@@ -73,13 +75,31 @@ class RpcServer:
     async def serve(self) -> None:
         try:
             while True:
-                identity, *frames = await self._socket.recv_multipart()
+                identity, *frames = await self._socket.recv_multipart(copy=False)
+                if not self._from_orchestrator(frames):
+                    await self._send(identity.bytes, wire.ErrorReply(
+                        request_id=None, code="forbidden", message="only an orchestrator may use a worker's RPC"))
+                    continue
                 try:
-                    await self._handle(identity, frames)
+                    await self._handle(identity.bytes, [frame.bytes for frame in frames])
                 except Exception:  # nothing a client sends may stop the server
                     logger.exception("RPC handling failed")
         finally:
             await self.close()
+
+    def _from_orchestrator(self, frames: list[zmq.Frame]) -> bool:
+        """Under CURVE, whether the sender holds the orchestrator's key (a worker's key may
+        pull KV from a worker's transfer endpoint, never generate or read its cache)."""
+        if not zmq_auth.current().enabled:
+            return True
+        role = peer_role(frames[-1]) if frames else None
+        if role == "orchestrator":
+            return True
+        self._refused_peers += 1
+        if self._refused_peers in (1, 10, 100, 1000) or self._refused_peers % 10_000 == 0:
+            logger.warning("refused %d RPC message(s) from a %s key: only an orchestrator may use a worker's RPC",
+                           self._refused_peers, role)
+        return False
 
     async def close(self) -> None:
         tasks = [*self._tasks.values(), *self._queries]

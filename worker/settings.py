@@ -67,6 +67,15 @@ class WorkerSettings:
     shared_copies: bool = True
     # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
     evict_pulled_first: bool = True
+    # Who may speak to this worker (foundation.zmq_auth): the cluster's key folder, or no
+    # one checked at all with ``insecure_no_auth``; ``transfer_encryption`` off: KV bytes
+    # travel in clear (trusted fabrics only).
+    cluster_keys: str = ""
+    insecure_no_auth: bool = False
+    transfer_encryption: bool = True
+    # The private ipc:// socket the engine publishes KV events on (set by the worker at
+    # start; see worker.event_relay).
+    kv_events_local_address: str = ""
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):

@@ -5,7 +5,10 @@ Phases, each writing into one results document::
     engine     one kvroute worker: its KV layout (bytes per token) and the recompute
                seconds of every prompt length (skipped with --no-engine: the layout then
                comes from the model's config.json and the dtype a worker would pick)
-    loopback   zmq-tcp, zmq-ipc and gloo against their raw baselines (transfer_pair)
+    loopback   zmq-tcp, zmq-ipc and gloo against their raw baselines (transfer_pair), the
+               zmq links under the cluster keys' CURVE encryption, as workers run them
+    encryption zmq-tcp and zmq-ipc links with transfer encryption on and off, against raw
+               pyzmq, at three sizes (skipped with --no-encryption)
     shaped     per rate, two fresh network namespaces joined by a tc-shaped veth pair;
                zmq-tcp and gloo only (ipc would bypass the link), created and removed
                here, also on errors and Ctrl-C (skipped with --no-shaped)
@@ -26,10 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundation import config
+from foundation import cluster_keys, config
 from foundation.config import setting
 
 LOOPBACK_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo")
+ENCRYPTION_BACKENDS = ("zmq-tcp", "zmq-ipc")
 SHAPED_BACKENDS = ("zmq-tcp", "gloo")  # tcp underneath: the only traffic tc shapes
 
 
@@ -39,6 +43,8 @@ class TransferBenchSettings:
     output: str = setting("results/bench_transfer", "folder for results.json and the plot")
     reps: int = setting(5, "timed repetitions per measurement, after one warm-up; medians are reported")
     engine: bool = setting(True, "measure recompute on a real engine (--no-engine: transfers only)")
+    encryption: bool = setting(True, "measure the zmq links with transfer encryption on and off against raw pyzmq "
+                                     "(what --transfer-encryption off saves)")
     shaped: bool = setting(True, "repeat on tc-shaped links between network namespaces (needs root)")
     shaped_rates: tuple[str, ...] = setting(("1gbit", "100mbit"), "tc rates of the shaped links, comma-separated")
     shaped_max_seconds: float = setting(2.0, "on a shaped link, only prompt lengths whose KV crosses it at its "
@@ -73,8 +79,13 @@ def run(settings: TransferBenchSettings) -> int:
     output = Path(settings.output)
     output.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    phases = Phases(settings, console, output)
     started = time.perf_counter()
+    with cluster_keys.of_this_run() as keys:
+        phases = Phases(settings, console, output, keys)
+        return _run_phases(phases, output, console, started)
+
+
+def _run_phases(phases, output: Path, console, started: float) -> int:
     try:
         phases.run_all()
     except BaseException as error:

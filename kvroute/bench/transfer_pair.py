@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foundation import cluster_keys, zmq_auth
 from foundation.wire import KVLayoutSpec
 from kvroute.bench import transfer_netns, transfer_raw, transfer_raw_dist
 from kvroute.bench.transfer_raw_push import RawPull, RawPush
@@ -58,6 +59,15 @@ class PairPlan:
     reps: int = 5
     sender: PairEnd = field(default_factory=PairEnd)
     receiver: PairEnd = field(default_factory=PairEnd)
+    # The links speak as a worker's do: under this key folder's CURVE keys, and encrypted
+    # unless ``transfer_encryption`` is off (foundation.zmq_auth); "" : in clear.
+    cluster_keys: str = ""
+    transfer_encryption: bool = True
+
+    def configure_security(self) -> None:
+        """In each of the pair's processes, before its links open."""
+        keys = cluster_keys.load(self.cluster_keys) if self.cluster_keys else None
+        zmq_auth.configure(keys, "worker", self.transfer_encryption)
 
 
 def stand_in_layout(num_frames: int) -> KVLayoutSpec:
@@ -130,7 +140,9 @@ class Peer:
             sender.close()  # a zmq-ipc sender removes its socket file
 
 
-def sender_main(commands, control, end: PairEnd) -> None:
+def sender_main(commands, control, plan: PairPlan) -> None:
+    end = plan.sender
+    plan.configure_security()
     transfer_netns.enter_namespace(end.namespace)
     peer = Peer(ConnectionChannel(control), end)
     try:
@@ -254,6 +266,7 @@ def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str
 
 def receiver_main(plan: PairPlan, commands, control, results) -> None:
     try:
+        plan.configure_security()
         transfer_netns.enter_namespace(plan.receiver.namespace)
         for row in Measurement(commands, control, plan).rows():
             results.send(("row", row))
@@ -274,7 +287,7 @@ def run_pair(plan: PairPlan, on_row: Callable[[dict], None] = lambda row: None,
     commands, peer_commands = spawn.Pipe()
     control, peer_control = spawn.Pipe()
     results, receiver_results = spawn.Pipe()
-    sender = spawn.Process(target=sender_main, args=(peer_commands, peer_control, plan.sender),
+    sender = spawn.Process(target=sender_main, args=(peer_commands, peer_control, plan),
                            name="kvroute-bench-sender", daemon=True)
     receiver = spawn.Process(target=receiver_main, args=(plan, commands, control, receiver_results),
                              name="kvroute-bench-receiver", daemon=True)

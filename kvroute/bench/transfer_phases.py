@@ -12,7 +12,13 @@ from pathlib import Path
 from rich.console import Console
 
 from kvroute.bench import transfer_calibration, transfer_report
-from kvroute.bench.transfer_bench import LOOPBACK_BACKENDS, SHAPED_BACKENDS, TransferBenchSettings, describe_run
+from kvroute.bench.transfer_bench import (
+    ENCRYPTION_BACKENDS,
+    LOOPBACK_BACKENDS,
+    SHAPED_BACKENDS,
+    TransferBenchSettings,
+    describe_run,
+)
 from kvroute.bench.transfer_netns import (
     RECEIVER_ADDRESS,
     SENDER_ADDRESS,
@@ -28,8 +34,9 @@ LOOPBACK = "loopback"
 
 
 class Phases:
-    def __init__(self, settings: TransferBenchSettings, console: Console, output: Path):
+    def __init__(self, settings: TransferBenchSettings, console: Console, output: Path, cluster_keys: str):
         self.settings = settings
+        self.cluster_keys = cluster_keys  # the folder every pair's links speak under
         self.console = console
         self.output = output
         self.lengths = prompt_lengths(settings.max_prompt_tokens)
@@ -41,6 +48,10 @@ class Phases:
     def run_all(self) -> None:
         self.measure_engine()
         self.measure_link(LOOPBACK, LOOPBACK_BACKENDS, self.lengths, PairEnd(), PairEnd())
+        if self.settings.encryption:
+            self.measure_encryption()
+        else:
+            self.results["skipped"]["encryption"] = "--no-encryption"
         if self.settings.shaped:
             self.measure_shaped_links()
         else:
@@ -89,7 +100,8 @@ class Phases:
                      receiver: PairEnd, rate: str | None = None) -> None:
         self.console.rule(f"transfers over {name}")
         plan = PairPlan(backends=backends, frame_sizes=tuple(self.kv.frame_bytes(n) for n in lengths),
-                        num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver)
+                        num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver,
+                        cluster_keys=self.cluster_keys)
         link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
         self.results["links"].append(link)
         run_pair(plan, on_row=lambda row: self._log_transfer(link, row))
@@ -100,6 +112,22 @@ class Phases:
         self.console.log(f"{link['name']} {row['backend']} {tokens} tokens ({row['bytes'] / 1e6:.1f} MB): "
                          f"{row['backend_seconds'] * 1e3:.1f} ms, {row['baseline']} {row['raw_seconds'] * 1e3:.1f} ms, "
                          f"ratio {row['ratio']:.2f}")
+
+    def measure_encryption(self) -> None:
+        """The zmq links with transfer encryption on, then off, against the same raw pyzmq."""
+        self.console.rule("transfer encryption on and off")
+        lengths = encryption_lengths(self.lengths)
+        frame_sizes = tuple(self.kv.frame_bytes(n) for n in lengths)
+        measured = {}
+        for encrypted in (True, False):
+            plan = PairPlan(backends=ENCRYPTION_BACKENDS, frame_sizes=frame_sizes, num_frames=self.kv.num_layers,
+                            reps=self.settings.reps, cluster_keys=self.cluster_keys, transfer_encryption=encrypted)
+            measured[encrypted] = run_pair(plan)
+        self.results["encryption"] = encryption_rows(measured[True], measured[False], self.kv.bytes_per_token)
+        for row in self.results["encryption"]:
+            self.console.log(f"{row['backend']} {row['prompt_tokens']} tokens: encrypted {row['encrypted_ms']:.1f} ms, "
+                             f"clear {row['clear_ms']:.1f} ms ({row['encryption_cost']:.2f}x), "
+                             f"raw pyzmq {row['raw_ms']:.1f} ms")
 
     def measure_shaped_links(self) -> None:
         reason = shaping_available()
@@ -141,3 +169,24 @@ class Phases:
         transfer_report.print_report(self.results, self.console)
         path = transfer_report.plot(self.results, self.output / transfer_report.PLOT_NAME)
         self.console.log(f"wrote {path}")
+
+
+def encryption_lengths(lengths: list[int]) -> list[int]:
+    """Shortest, middle and longest prompt of the sweep."""
+    return sorted({lengths[0], lengths[len(lengths) // 2], lengths[-1]})
+
+
+def encryption_rows(encrypted: list[dict], clear: list[dict], bytes_per_token: int) -> list[dict]:
+    """Per backend and size: the link encrypted and in clear, raw pyzmq (the faster of the
+    two runs' baselines), and what encryption costs (encrypted s / clear s)."""
+    in_clear = {(row["backend"], row["bytes"]): row for row in clear}
+    rows = []
+    for row in encrypted:
+        plain = in_clear[(row["backend"], row["bytes"])]
+        raw = min(row["raw_seconds"], plain["raw_seconds"])
+        rows.append({"backend": row["backend"], "prompt_tokens": row["bytes"] // bytes_per_token,
+                     "bytes": row["bytes"], "encrypted_ms": row["backend_seconds"] * 1e3,
+                     "clear_ms": plain["backend_seconds"] * 1e3, "raw_ms": raw * 1e3,
+                     "encryption_cost": row["backend_seconds"] / plain["backend_seconds"],
+                     "encrypted_vs_raw": raw / row["backend_seconds"], "clear_vs_raw": raw / plain["backend_seconds"]})
+    return rows

@@ -57,11 +57,25 @@ def estimates_table(results: Mapping) -> Table:
     return table
 
 
+def encryption_table(results: Mapping) -> Table:
+    table = Table(title="transfer encryption (medians; cost = encrypted s / clear s; vs raw = raw pyzmq s / link s)")
+    for column in ("backend", "tokens", "MB", "encrypted ms", "clear ms", "raw pyzmq ms", "cost", "encrypted vs raw",
+                   "clear vs raw"):
+        table.add_column(column, justify="left" if column == "backend" else "right")
+    for row in results["encryption"]:
+        table.add_row(row["backend"], str(row["prompt_tokens"]), f"{row['bytes'] / 1e6:.1f}",
+                      f"{row['encrypted_ms']:.1f}", f"{row['clear_ms']:.1f}", f"{row['raw_ms']:.1f}",
+                      f"{row['encryption_cost']:.2f}x", f"{row['encrypted_vs_raw']:.2f}", f"{row['clear_vs_raw']:.2f}")
+    return table
+
+
 def print_report(results: Mapping, console: Console) -> None:
     console.print(results_table(results))
     if results["crossovers"]:
         console.print(crossover_table(results))
     console.print(estimates_table(results))
+    if results.get("encryption"):
+        console.print(encryption_table(results))
 
 
 def plot(results: Mapping, path: Path) -> Path:

@@ -48,10 +48,17 @@ def print_table(rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.bench.transfer_pair import PairPlan, run_pair  # torch
+    from foundation import cluster_keys
+    from kvroute.bench.transfer_pair import PairPlan  # torch
 
-    plan = PairPlan(backends=BACKENDS, frame_sizes=tuple(size * MiB // args.frames for size in args.sizes_mib),
-                    num_frames=args.frames, reps=args.reps)
+    with cluster_keys.of_this_run() as keys:
+        plan = PairPlan(backends=BACKENDS, frame_sizes=tuple(size * MiB // args.frames for size in args.sizes_mib),
+                        num_frames=args.frames, reps=args.reps, cluster_keys=keys)
+        return _measure(plan, args)
+
+
+def _measure(plan, args: argparse.Namespace) -> int:
+    from kvroute.bench.transfer_pair import run_pair
 
     def log(row: dict) -> None:
         console.log(f"{row['backend']} {row['bytes'] / MiB:.0f} MiB: {row['backend_gb_per_s']:.2f} GB/s vs "

@@ -9,6 +9,7 @@ import zmq
 
 from foundation import identity, kv_events, wire
 from foundation.netutil import async_context, free_port
+from foundation.zmq_auth import secure_client
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
@@ -41,7 +42,7 @@ async def test_new_incarnation_and_silence_purge_index_entries():
     fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=0.5), f"tcp://127.0.0.1:{port}", "test")
     fleet.listeners.append(IndexSync(index))
     await fleet.start()
-    worker = async_context().socket(zmq.DEALER)
+    worker = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
     worker.connect(f"tcp://127.0.0.1:{port}")
     prompt_hashes = identity.block_hashes(TOKENS, BLOCK, "salt-a")
     try:
@@ -66,7 +67,7 @@ async def test_new_incarnation_and_silence_purge_index_entries():
 async def test_refused_worker_is_never_indexed():
     fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=5), f"tcp://127.0.0.1:{free_port()}", "test")
     await fleet.start()
-    worker = async_context().socket(zmq.DEALER)
+    worker = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
     worker.connect(fleet._bind_address)
     try:
         beat = heartbeat("x")
@@ -104,7 +105,7 @@ async def test_admin_view_shows_each_worker_s_measured_prefill_speed():
     index = PrefixIndex()
     fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=5), f"tcp://127.0.0.1:{free_port()}", "test")
     await fleet.start()
-    worker = async_context().socket(zmq.DEALER)
+    worker = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
     worker.connect(fleet._bind_address)
     try:
         assert (await send(worker, heartbeat("x"))).accepted

@@ -12,6 +12,7 @@ import zmq
 
 from foundation import wire
 from foundation.netutil import async_context, free_port, tcp
+from foundation.zmq_auth import secure_server
 from worker.heartbeat import BEATS_QUEUED, HeartbeatSender
 
 
@@ -25,7 +26,7 @@ class FakeOrchestrator:
 
     def __init__(self, address: str, orchestrator_id: str):
         self.orchestrator_id = orchestrator_id
-        self.socket = async_context().socket(zmq.ROUTER)
+        self.socket = secure_server(async_context().socket(zmq.ROUTER), "orchestrator")
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self.sent_at: list[float] = []

@@ -20,6 +20,7 @@ from foundation import wire
 from foundation.identity import block_hashes
 from foundation.kv_events import AllBlocksCleared, KVEventBatch, stored_blocks
 from foundation.netutil import free_port, tcp
+from foundation.zmq_auth import secure_server
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import KV_EVENTS_TOPIC, IndexSync, WorkerIndexSync
 from orchestrator.registry import WorkerView
@@ -59,7 +60,7 @@ class Engine:
 
     def __init__(self):
         self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.XPUB)
+        self.socket = secure_server(self.context.socket(zmq.XPUB), "worker")
         self.socket.setsockopt(zmq.LINGER, 0)
         self.address = tcp("127.0.0.1", free_port())
         self.socket.bind(self.address)

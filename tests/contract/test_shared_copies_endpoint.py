@@ -127,6 +127,9 @@ def test_a_lease_that_ends_between_offer_and_read_fails_the_pull(producer, consu
 def _pull_in_child(source, layout_name, dtype_name, positions, local_ids, queue):
     """A consumer in a process of its own, as a decode worker's is."""
     import zmq as child_zmq
+
+    from foundation import zmq_auth
+    zmq_auth.configure_from_environment("worker")  # a spawned child: the run's keys, as a worker
     consumer = make_cache(DTYPES[dtype_name], layout_name, CONSUMER_BLOCKS, seed=None)
     context = child_zmq.Context()
     calls = []

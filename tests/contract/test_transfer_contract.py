@@ -18,6 +18,7 @@ import zmq
 from foundation import wire
 from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
 from foundation.netutil import free_port, tcp
+from foundation.zmq_auth import secure_client
 from tests.contract.transfer_endpoint import (
     PARK_SECONDS,
     Producer,
@@ -234,13 +235,14 @@ def test_an_expiry_says_whether_the_lease_was_pulled(producer, consumer, context
     producer.leases.grant(pulled)
     producer.leases.grant(unpulled)
     pull_into(context, consumer, producer.source(pulled.handle), [0], [0])
+    expected = {"lease for request req-pulled was pulled but never acknowledged; freeing its blocks at expiry",
+                "lease for request req-unpulled expired unpulled; freeing its blocks"}
     deadline = time.monotonic() + 3
-    while len(producer.leases):
-        assert time.monotonic() < deadline, "the server never expired the leases"
+    # The server thread ends the leases, then logs why: wait for the lines, not the table.
+    while not expected <= {record.getMessage() for record in caplog.records}:
+        assert time.monotonic() < deadline, f"the server never logged both expiries: {caplog.text}"
         time.sleep(0.02)
-    messages = {record.getMessage() for record in caplog.records}
-    assert "lease for request req-pulled was pulled but never acknowledged; freeing its blocks at expiry" in messages
-    assert "lease for request req-unpulled expired unpulled; freeing its blocks" in messages
+    assert len(producer.leases) == 0
 
 
 # ---------------------------------------------------------------- release and stats
@@ -322,7 +324,7 @@ def test_release_and_stats_against_nobody(context):
 
 
 def _exchange(context, address: str, frames: list[bytes]) -> wire.Message:
-    socket = context.socket(zmq.DEALER)
+    socket = secure_client(context.socket(zmq.DEALER), "worker", transfer=True)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     try:
@@ -362,7 +364,7 @@ def test_malformed_frames_get_an_error_and_the_server_keeps_serving(producer, co
 
 
 def test_server_survives_a_burst_of_garbage(producer, consumer, context):
-    socket = context.socket(zmq.DEALER)
+    socket = secure_client(context.socket(zmq.DEALER), "worker", transfer=True)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(producer.address)
     try:

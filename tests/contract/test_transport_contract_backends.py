@@ -351,6 +351,8 @@ KILLABLE_BACKENDS = ["zmq-tcp", "zmq-ipc", "gloo"]
 
 def _sender_process(backend: str, connection, ready) -> None:
     """A spawned producer: one transfer of its whole cache, then it waits to be killed."""
+    from foundation import zmq_auth
+    zmq_auth.configure_from_environment("worker")
     source = make_cache(DEAD_PEER_DTYPE, DEAD_PEER_SHAPE, SOURCE_BLOCKS, seed=DEAD_PEER_SEED)
     # Generous: the test that joins this sender may run well after the process started.
     sender = open_sender(ConnectionChannel(connection), source.spec, "cpu", deadline(120),

@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from foundation import wire
+from foundation.zmq_auth import secure_server
 from orchestrator.retry import RetryPolicy
 from orchestrator.worker_client import WorkerClient, WorkerTimeout
 
@@ -19,7 +20,7 @@ async def test_the_worker_client_waits_on_while_the_handler_says_so():
     """Over real sockets: a worker that answers after 0.5 s, waits of 0.15 s. Without a
     handler the first timeout ends the request; with one that returns, the chunk arrives."""
     context = zmq.asyncio.Context()
-    worker = context.socket(zmq.ROUTER)
+    worker = secure_server(context.socket(zmq.ROUTER), "worker")
     port = worker.bind_to_random_port("tcp://127.0.0.1")
     client = WorkerClient(f"tcp://127.0.0.1:{port}", context)
 
@@ -56,7 +57,7 @@ async def test_the_worker_client_waits_on_while_the_handler_says_so():
 async def test_the_worker_client_asks_again_after_an_unanswered_stats_request():
     """Over real sockets: a worker that drops the first request answers the second."""
     context = zmq.asyncio.Context()
-    worker = context.socket(zmq.ROUTER)
+    worker = secure_server(context.socket(zmq.ROUTER), "worker")
     port = worker.bind_to_random_port("tcp://127.0.0.1")
     client = WorkerClient(f"tcp://127.0.0.1:{port}", context,
                           RetryPolicy(attempts=2, base_delay_seconds=0.01))

@@ -13,6 +13,7 @@ import zmq
 
 from foundation import wire
 from foundation.netutil import async_context, free_port
+from foundation.zmq_auth import secure_client, secure_server
 from orchestrator.admin import describe_workers
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
@@ -37,7 +38,7 @@ def heartbeat(worker_id: str, draining: bool) -> wire.Heartbeat:
 
 
 async def test_send_now_beats_before_the_interval_is_up():
-    orchestrator = async_context().socket(zmq.ROUTER)
+    orchestrator = secure_server(async_context().socket(zmq.ROUTER), "orchestrator")
     address = f"tcp://127.0.0.1:{free_port()}"
     orchestrator.bind(address)
     draining = False
@@ -59,7 +60,7 @@ async def test_send_now_beats_before_the_interval_is_up():
 async def test_a_draining_worker_leaves_planning_but_stays_visible():
     fleet = Fleet(WorkerRegistry(FINGERPRINT, heartbeat_timeout=30), f"tcp://127.0.0.1:{free_port()}", "test")
     await fleet.start()
-    worker = async_context().socket(zmq.DEALER)
+    worker = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
     worker.connect(fleet._bind_address)
 
     async def beat(draining: bool) -> None:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from orchestrator.worker_client import WorkerClient
-from testing.stack import Stack
+from testing.stack import Stack, listening_sockets
 from tests.cluster import assert_stops_leaving_nothing
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -74,6 +74,14 @@ def http_get(connection: socket.socket, path: str) -> bytes:
             raise ConnectionError(f"the server closed the connection; got {response!r}")
         response += chunk
     return response
+
+
+def test_no_socket_of_serve_listens_on_a_wildcard_address(stack):
+    listening = listening_sockets(stack.process.pid)
+    assert any(port == stack.port for _, port in listening), listening  # the probe sees serve's own sockets
+    wildcard = [(address, port) for address, port in listening if address in ("0.0.0.0", "::")]
+    assert wildcard == [], f"listening beyond loopback with default flags: {wildcard}"
+    assert all(address in ("127.0.0.1", "::1") for address, _ in listening), listening
 
 
 def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(stack):

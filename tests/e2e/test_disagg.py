@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from foundation import kv_events, wire
+from foundation.zmq_auth import secure_client
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
 from tests.cluster import (
@@ -161,7 +162,7 @@ async def test_held_lease_is_staged_and_the_producer_engine_goes_idle(clients, e
 
 
 async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines, tokenizer):
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket = secure_client(zmq.Context.instance().socket(zmq.DEALER), "worker")
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(engines["decode"].rpc_address)
     try:

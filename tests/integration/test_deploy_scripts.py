@@ -128,7 +128,22 @@ def kill_group(pid: int | None) -> None:
 ])
 
 def test_start_pool_refuses_bad_arguments(fakes, args, message):
-    result = run(START, *args, "--log-dir", str(fakes["log_dir"]), env=fakes["env"])
+    check_refused(fakes, args, message, fakes["env"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001"], "--cluster-keys DIR is required"),
+    (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--cluster-keys", "/no/such/keys"], "not a folder"),
+    (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--cluster-keys", "/tmp", "--insecure-no-auth"],
+     "exclude each other"),
+])
+def test_start_pool_needs_keys_or_an_explicit_insecure(fakes, args, message):
+    env = {name: value for name, value in fakes["env"].items() if name != "KVROUTE_CLUSTER_KEYS"}
+    check_refused(fakes, args, message, env)
+
+
+def check_refused(fakes, args, message, env):
+    result = run(START, *args, "--log-dir", str(fakes["log_dir"]), env=env)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     assert not list(fakes["records"].iterdir()), "nothing may start after a refusal"
@@ -175,6 +190,7 @@ def test_start_and_stop_a_cpu_pool(fakes):
             assert flag_values(argv, "--orchestrator") == ["tcp://127.0.0.1:7001"]
             assert flag_values(argv, "--omp-threads-bind") == [str(i % os.cpu_count())]
             assert flag_values(argv, "--model") == ["/models/m"]
+            assert flag_values(argv, "--cluster-keys") == [os.environ["KVROUTE_CLUSTER_KEYS"]]
             assert argv[-2:] == ["--kv-cache-gib", "0.5"], "extra flags come last, unchanged"
             assert env["FAKE_RECORD_DIR"] == str(fakes["records"])
             log = (log_dir / f"prefill-{i}.log").read_text()

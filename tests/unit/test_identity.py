@@ -31,6 +31,13 @@ def test_cache_salt_is_stable_and_prefixed():
     assert salt == "kvr1-6d1418da8567ecd18aedcdcfc81f5183"
 
 
+def test_a_keyed_salt_differs_between_clusters_and_cannot_be_computed_from_names():
+    first, second = BASE.cache_salt(b"\x01" * 32), BASE.cache_salt(b"\x02" * 32)
+    assert first != second and BASE.cache_salt() not in (first, second)
+    assert first == BASE.cache_salt(b"\x01" * 32) and first.startswith(SALT_PREFIX)
+    assert Namespace("smollm2-135m@abc123", "", "globex", "default").cache_salt(b"\x01" * 32) != first
+
+
 def test_block_hash_derivation_is_pinned():
     # Hashes are compared across orchestrator restarts and versions: pin them.
     assert chain_seed(None) == 0x643806cd7580f0678607fdc9b43add66

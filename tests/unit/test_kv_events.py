@@ -228,15 +228,27 @@ def test_vllm_binds_only_wildcard_endpoints():
     assert not bind("tcp://0.0.0.0:5557")
 
 
-def test_worker_kv_events_endpoint_is_one_vllm_binds():
+def test_worker_kv_events_endpoint_is_a_private_one_vllm_binds():
     # With tcp://<host>:<port> vLLM would connect its PUB socket, nobody would bind the
-    # port, and no subscriber (ResidentBlocks.follow, WorkerIndexSync) would see an event.
+    # port, and no subscriber would see an event; a tcp port would publish prompts in clear.
     from worker.engine import kv_events_config
     from worker.settings import WorkerSettings
 
-    settings = WorkerSettings(role="prefill", model="m", kv_events_port=free_port())
+    settings = WorkerSettings(role="prefill", model="m", kv_events_port=free_port(),
+                              kv_events_local_address="ipc:///tmp/kvroute-events-x/events")
     endpoint = kv_events_config(settings).endpoint
+    assert endpoint == "ipc:///tmp/kvroute-events-x/events"
     assert vllm_events.ZmqEventPublisher._is_bind_endpoint(endpoint), endpoint
+
+
+def test_worker_kv_events_refuse_a_tcp_endpoint():
+    from worker.engine import kv_events_config
+    from worker.settings import WorkerSettings
+
+    for address in ("", "tcp://*:5557"):
+        settings = WorkerSettings(role="prefill", model="m", kv_events_local_address=address)
+        with pytest.raises(ValueError, match="private ipc"):
+            kv_events_config(settings)
 
 
 def test_decode_error_is_a_value_error():

@@ -92,3 +92,13 @@ def test_worker_args_bind_cores_and_budget_of_their_engine():
 def test_engines_on_gpus_are_not_bound_to_cores():
     engine = plan_topology("1u", cores=[0, 1], gpus=1, kv_cache_gib=0.5).engines[0]
     assert "--omp-threads-bind" not in worker_args(PoolSettings(), OrchestratorSettings(), "model", engine)
+
+
+def test_workers_speak_under_the_orchestrators_keys():
+    engine = plan_topology("1u", cores=[0, 1], gpus=0, kv_cache_gib=0.5).engines[0]
+    keyed = worker_args(PoolSettings(), OrchestratorSettings(cluster_keys="/keys", transfer_encryption="off"),
+                        "model", engine)
+    assert keyed[keyed.index("--cluster-keys") + 1] == "/keys" and "--insecure-no-auth" not in keyed
+    assert keyed[keyed.index("--transfer-encryption") + 1] == "off"
+    insecure = worker_args(PoolSettings(), OrchestratorSettings(insecure_no_auth=True), "model", engine)
+    assert "--insecure-no-auth" in insecure and "--cluster-keys" not in insecure

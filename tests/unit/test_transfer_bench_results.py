@@ -167,3 +167,17 @@ def test_lengths_a_slow_link_skipped_are_predicted_from_its_estimate():
     (crossing,) = series["crossings"]
     assert crossing["between"] == [1024, 2048] and crossing["predicted"] and crossing["transfer_faster_above"]
     assert series["recompute_faster_at"] == [128]
+
+
+def test_encryption_rows_compare_each_link_encrypted_and_in_clear_with_the_faster_raw_baseline():
+    from kvroute.bench.transfer_phases import encryption_lengths, encryption_rows
+
+    assert encryption_lengths([128, 256, 512, 1024, 2048]) == [128, 512, 2048]
+    assert encryption_lengths([128]) == [128]
+    encrypted = [summarise("zmq-tcp", 1000, 10, {"backend": [0.04], "raw": [0.012]})]
+    clear = [summarise("zmq-tcp", 1000, 10, {"backend": [0.01], "raw": [0.008]})]
+    [row] = encryption_rows(encrypted, clear, bytes_per_token=100)
+    assert row["prompt_tokens"] == 100 and row["bytes"] == 10_000
+    assert row["encryption_cost"] == pytest.approx(4.0)
+    assert row["raw_ms"] == pytest.approx(8.0)
+    assert row["encrypted_vs_raw"] == pytest.approx(0.2) and row["clear_vs_raw"] == pytest.approx(0.8)

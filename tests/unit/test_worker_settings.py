@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from worker.cli_args import add_worker_arguments, settings_from_args
@@ -13,6 +15,8 @@ from worker.settings import (
     WorkerSettings,
 )
 
+LOCAL_EVENTS = "ipc:///tmp/kvroute-events-test/events"  # what a worker sets at start (worker.event_relay)
+
 
 @pytest.mark.parametrize("role, explicit, expected", [
     ("decode", None, DECODE_LONG_PREFILL_TOKENS),  # a local prefill must not hold pulls and streams
@@ -23,7 +27,8 @@ from worker.settings import (
     ("prefill", 512, 512),
 ])
 def test_long_prefill_cap_by_role_reaches_the_engine(role, explicit, expected):
-    settings = WorkerSettings(role=role, model="/models/m", long_prefill_tokens=explicit)
+    settings = WorkerSettings(role=role, model="/models/m", long_prefill_tokens=explicit,
+                              kv_events_local_address=LOCAL_EVENTS)
     assert settings.long_prefill_step_tokens == expected
     assert engine_args(settings).long_prefill_token_threshold == expected
 
@@ -46,7 +51,8 @@ def parser(monkeypatch):
 
 
 def settings_of(parser, role: str, *flags: str) -> WorkerSettings:
-    return settings_from_args(parser.parse_args(["--model", "/models/m", *flags]), role)
+    settings = settings_from_args(parser.parse_args(["--model", "/models/m", *flags]), role)
+    return replace(settings, kv_events_local_address=LOCAL_EVENTS)
 
 
 def test_long_prefill_flag(parser):

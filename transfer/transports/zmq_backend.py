@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 import zmq
 
+from foundation.zmq_auth import secure_client, secure_server
 from transfer.block_client import frame_as_tensor
 from transfer.send_buffers import send_frame
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
@@ -156,7 +157,7 @@ class ZmqBackend:
 
     def host(self, options: LinkOptions, deadline: float) -> HostedLink:
         bind_address, ipc_path = self._bind_address(options)
-        socket = options.context().socket(zmq.PUSH)
+        socket = secure_server(options.context().socket(zmq.PUSH), "worker", transfer=True)
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(bind_address)
         address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -168,7 +169,7 @@ class ZmqBackend:
         return HostedLink(address, lambda _deadline: ZmqSender(options, socket, self.name, ipc_path), cancel)
 
     def join(self, address: str, options: LinkOptions, deadline: float) -> ZmqReceiver:
-        socket = options.context().socket(zmq.PULL)
+        socket = secure_client(options.context().socket(zmq.PULL), "worker", transfer=True)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(address)
         return ZmqReceiver(options, socket, self.name)
