@@ -6,6 +6,8 @@ import os
 import uuid
 from dataclasses import dataclass, field, replace
 
+from foundation.addresses import check_host
+from foundation.heartbeat_checks import check_name
 from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
 from transfer.affinity import parse_cpus
@@ -85,6 +87,10 @@ class WorkerSettings:
         if self.drain_seconds < 0:
             raise ValueError("drain_seconds must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
+        # Orchestrators refuse heartbeats with a malformed id or address: fail here, saying why.
+        check_host(self.host, "host (the address other processes reach this worker at)")
+        if self.worker_id:
+            check_name(self.worker_id, "worker_id")
         check_transfer_link(self.transfer_link)
 
     @property
