@@ -27,7 +27,7 @@ import zmq
 from foundation import wire
 from foundation.log_limits import PeerWarnings
 from foundation.lru import LruDict
-from foundation.netutil import async_context
+from foundation.netutil import async_context, peer_address
 from orchestrator.circuit_breaker import BreakerSettings, CircuitBreakers
 from orchestrator.load_ledger import LoadLedger
 from orchestrator.registry import Verdict, WorkerRegistry, WorkerView
@@ -208,10 +208,3 @@ class Fleet:
         self.ledger.retain(registered)
         self.breakers.retain(registered)
 
-
-def peer_address(frame: zmq.Frame) -> str:
-    """The address a message came from, as libzmq saw its connection."""
-    try:
-        return frame.get("Peer-Address") or "a peer without an address (ipc)"
-    except zmq.ZMQError:
-        return "a peer of unknown address"
