@@ -32,6 +32,17 @@ def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def peer_address(frame) -> str:
+    """The address a received ZeroMQ message (any ``zmq.Frame`` of it) came from, as libzmq
+    saw its connection: for naming a peer in a warning."""
+    import zmq
+
+    try:
+        return frame.get("Peer-Address") or "a peer without an address (ipc)"
+    except zmq.ZMQError:
+        return "a peer of unknown address"
+
+
 _async_context = None
 
 

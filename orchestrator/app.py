@@ -41,9 +41,9 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     model_path = settings.model
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
-    fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
+    fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds, settings.max_workers),
                   f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id,
-                  settings.breaker_settings(), settings.retry_policy())
+                  settings.breaker_settings(), settings.retry_policy(), settings.registry_max_frame_bytes)
     index, metrics, calibration = PrefixIndex(settings.pending_settings()), Metrics(), Calibration()
     index_sync = IndexSync(index)
     fleet.listeners += [index_sync, StartupCalibration(calibration)]

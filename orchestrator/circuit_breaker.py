@@ -137,6 +137,11 @@ class CircuitBreakers:
         """The worker is gone; a new incarnation starts with a closed breaker."""
         self._breakers.pop(worker_id, None)
 
+    def retain(self, worker_ids: set[str]) -> None:
+        """Forget every breaker but those of ``worker_ids`` (the registered workers)."""
+        for worker_id in set(self._breakers) - worker_ids:
+            del self._breakers[worker_id]
+
     def states(self, now: float) -> dict[str, BreakerState]:
         return {worker_id: self._observed(worker_id, breaker, breaker.current, now)
                 for worker_id, breaker in self._breakers.items()}

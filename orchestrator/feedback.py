@@ -36,12 +36,12 @@ class Feedback:
         prefilling = plan.prefilling_worker
         indexed = plan.source_worker or prefilling  # where the index said the reused blocks were
         if record.index_overestimated():
-            self.metrics.index_mispredictions.labels(indexed).inc()
+            self.metrics.observe_misprediction(indexed)
             logger.warning("index had %d tokens stored on %s, engine reused %d; resyncing",
                            record.predicted_stored_tokens, indexed, record.actual.reused_tokens)
             self.index_sync.request_resync(indexed)
         elif record.claim_overestimated():
-            self.metrics.claim_misses.labels(prefilling).inc()
+            self.metrics.observe_claim_miss(prefilling)
             logger.info("request %s expected %d tokens on %s (%d claimed), engine reused %d",
                         record.request_id, record.predicted_reused_tokens, prefilling,
                         record.predicted_reused_tokens - record.predicted_stored_tokens, record.actual.reused_tokens)

@@ -41,7 +41,7 @@ class PrefixIndex:
         self._workers: dict[str, _WorkerEntries] = {}
         self._slot_owner: dict[int, str] = {}  # bit → worker id
         # Blocks each worker's engine evicted (BlockRemoved), since this orchestrator started;
-        # kept across resyncs and restarts so it only ever grows.
+        # kept across resyncs and restarts so it only ever grows, until the worker leaves.
         self._evicted: dict[str, int] = {}
         self._pending = PendingBlocks(pending or PendingSettings())
 
@@ -62,6 +62,11 @@ class PrefixIndex:
             self._disown(ours, entries.bit)
         self._pending.drop_worker(entries.bit)
         del self._slot_owner[entries.bit]
+
+    def forget(self, worker_id: str) -> None:
+        """``purge``, and the worker's eviction count too: it left the fleet."""
+        self.purge(worker_id)
+        self._evicted.pop(worker_id, None)
 
     def apply(self, worker_id: str, event: kv_events.KVEvent) -> None:
         entries = self._workers[worker_id]

@@ -156,6 +156,10 @@ class IndexSync:
             entry[1].cancel()
         self.index.purge(worker_id)
 
+    def worker_left(self, worker_id: str) -> None:
+        """The worker left the fleet: its eviction count goes too (a restart keeps it)."""
+        self.index.forget(worker_id)
+
     def request_resync(self, worker_id: str) -> None:
         entry = self._tasks.get(worker_id)
         if entry is not None:

@@ -122,6 +122,11 @@ class LoadLedger:
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
 
+    def retain(self, worker_ids: set[str]) -> None:
+        """Forget every worker but ``worker_ids`` (the registered ones)."""
+        for worker_id in set(self._workers) - worker_ids:
+            del self._workers[worker_id]
+
     def heartbeat_is_current(self, worker_id: str) -> bool:
         """Nothing this orchestrator saw since the worker's last heartbeat changes its
         queue or its running count: its heartbeat is read as it is."""

@@ -1,10 +1,16 @@
 """Prometheus metrics of the orchestrator, in their own registry (served at /metrics).
 
 Latencies are measured here, at the orchestrator, as clients experience them.
+
+Series labelled with a worker id are made through ``_per_worker``, which remembers them
+by worker, so that a worker that left the fleet takes its series with it at the next
+scrape (``refresh_fleet``): ids come and go with restarts and scaling, and a series kept
+per id ever seen would grow without bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,6 +62,7 @@ class Metrics:
                                       "blocks a worker's engine evicted from its prefix cache (from its KV events)",
                                       ["worker"], registry=r)
         self._evictions_exported: dict[str, int] = {}
+        self._worker_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}  # worker id -> (metric, labels)
         self._breakers_exported: set[str] = set()
         self.transfer_bytes = Counter("kvroute_transfer_bytes", "KV bytes pulled, per link",
                                       ["source", "destination"], registry=r)
@@ -80,26 +87,35 @@ class Metrics:
         for role, worker in (("prefill", plan.prefill_worker), ("decode", plan.decode_worker),
                              ("source", plan.source_worker)):
             if worker:
-                self.selected.labels(worker, role).inc()
+                self._per_worker(self.selected, (worker,), worker, role).inc()
         self.prompt_tokens.inc(len(job.prompt_token_ids))
         self.prefix_tokens.observe(len(job.prompt_token_ids))
-        self.estimated_reused.labels(prefilling).inc(record.predicted_reused_tokens)
-        self.cached_tokens.labels(prefilling).inc(handoff.prefill_cached_tokens)
+        self._per_worker(self.estimated_reused, (prefilling,), prefilling).inc(record.predicted_reused_tokens)
+        self._per_worker(self.cached_tokens, (prefilling,), prefilling).inc(handoff.prefill_cached_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
 
     def observe_rate_limited(self, tenant: str) -> None:
         self.rate_limited.labels(tenant).inc()
 
+    def observe_misprediction(self, worker_id: str) -> None:
+        self._per_worker(self.index_mispredictions, (worker_id,), worker_id).inc()
+
+    def observe_claim_miss(self, worker_id: str) -> None:
+        self._per_worker(self.claim_misses, (worker_id,), worker_id).inc()
+
     def refresh_fleet(self, fleet, index) -> None:
-        """Gauges read from the fleet and the index when /metrics is scraped."""
+        """Gauges read from the fleet and the index when /metrics is scraped; the series of
+        workers no longer registered are removed."""
         for role in wire.ROLES:
             workers = fleet.live(role)
             self.workers.labels(role).set(len(workers))
             self.draining_workers.labels(role).set(len(fleet.draining(role)))
             for worker in workers:
-                self.index_blocks.labels(worker.worker_id).set(index.num_blocks(worker.worker_id))
+                self._per_worker(self.index_blocks, (worker.worker_id,), worker.worker_id).set(
+                    index.num_blocks(worker.worker_id))
                 self._export_evictions(worker.worker_id, index.num_evicted(worker.worker_id))
+        self._forget_departed({worker.worker_id for worker in fleet.registry.live()})
         # From the breakers, not the live workers: an open breaker is what takes a worker out of them.
         states = fleet.breakers.states(time.monotonic())
         for worker_id, state in states.items():
@@ -109,14 +125,30 @@ class Metrics:
         self._breakers_exported = set(states)
 
     def _export_evictions(self, worker_id: str, evicted: int) -> None:
-        new = evicted - self._evictions_exported.get(worker_id, 0)
+        exported = self._evictions_exported.get(worker_id, 0)
+        new = evicted - exported if evicted >= exported else evicted  # the index's count restarted
         if new > 0:
-            self.evicted_blocks.labels(worker_id).inc(new)
-            self._evictions_exported[worker_id] = evicted
+            self._per_worker(self.evicted_blocks, (worker_id,), worker_id).inc(new)
+        self._evictions_exported[worker_id] = evicted
 
     def observe_transfer(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
-        self.transfer_bytes.labels(source, destination).inc(num_bytes)
-        self.transfer_seconds.labels(source, destination).observe(seconds)
+        link = (source, destination)
+        self._per_worker(self.transfer_bytes, link, *link).inc(num_bytes)
+        self._per_worker(self.transfer_seconds, link, *link).observe(seconds)
+
+    def _per_worker(self, metric, workers: tuple[str, ...], *labels: str):
+        """``metric``'s series for ``labels``, remembered under each of ``workers``."""
+        for worker_id in workers:
+            self._worker_series.setdefault(worker_id, set()).add((metric, labels))
+        return metric.labels(*labels)
+
+    def _forget_departed(self, registered: set[str]) -> None:
+        for worker_id in set(self._worker_series) - registered:
+            for metric, labels in self._worker_series.pop(worker_id):
+                with contextlib.suppress(KeyError):  # a link's series goes with the first of its two ends
+                    metric.remove(*labels)
+        for worker_id in set(self._evictions_exported) - registered:
+            del self._evictions_exported[worker_id]
 
     def _observe_latencies(self, job, handoff, policy: str, kind: str) -> None:
         if handoff.first_token_at is None:

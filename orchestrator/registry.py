@@ -4,6 +4,13 @@ Mechanism only: ``observe`` a heartbeat, ``expire`` silent workers, list ``live`
 No socket and no clock inside; ``now`` is passed in. A worker is identified by its
 id; a new incarnation id under the same id means the process restarted, and replaces
 the old entry (the caller purges anything keyed by the old incarnation).
+
+A heartbeat is refused, and changes nothing, when its fields are malformed
+(``foundation.heartbeat_checks``: an address no socket may connect to, say), when its
+model differs from ours, or when it names a new worker while ``max_workers`` are
+registered. A refusal's ``reason`` goes back to the sender, so it never carries the
+orchestrator's model fingerprint (that would tell anyone what to claim); ``detail``
+carries it for this orchestrator's own log.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from foundation import wire
+from foundation.heartbeat_checks import heartbeat_problem
 
 logger = logging.getLogger("kvroute.orchestrator.registry")
 
@@ -39,23 +47,22 @@ class Verdict:
     reason: str = ""
     is_new: bool = False  # first heartbeat of this incarnation
     replaced: WorkerView | None = None  # the previous incarnation, if the worker restarted
+    detail: str = ""  # for this orchestrator's log only, never sent: what the reason leaves out
 
 
 class WorkerRegistry:
     """Single writer: the registry endpoint's task."""
 
-    def __init__(self, model_fingerprint: str, heartbeat_timeout: float):
+    def __init__(self, model_fingerprint: str, heartbeat_timeout: float, max_workers: int = 1024):
         self.model_fingerprint = model_fingerprint
         self.heartbeat_timeout = heartbeat_timeout
+        self.max_workers = max_workers
         self._workers: dict[str, WorkerView] = {}
 
     def observe(self, beat: wire.Heartbeat, now: float) -> Verdict:
-        if beat.model_fingerprint != self.model_fingerprint:
-            return Verdict(False, f"model/tokenizer fingerprint {beat.model_fingerprint or 'missing'} differs "
-                                  f"from the orchestrator's {self.model_fingerprint}; reusing KV across model "
-                                  f"releases would be incorrect")
-        if beat.role not in wire.ROLES:
-            return Verdict(False, f"unknown role {beat.role!r}")
+        refusal = self._refusal(beat)
+        if refusal is not None:
+            return refusal
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,
                                                    beat.load, now, beat.kv_events_address, beat.draining,
@@ -68,6 +75,19 @@ class WorkerRegistry:
         logger.info("worker %s (%s) %s at %s", beat.worker_id, beat.role,
                     "restarted" if replaced else "registered", beat.rpc_address)
         return Verdict(True, is_new=True, replaced=replaced)
+
+    def _refusal(self, beat: wire.Heartbeat) -> Verdict | None:
+        problem = heartbeat_problem(beat)
+        if problem is not None:
+            return Verdict(False, f"malformed heartbeat: {problem}")
+        if beat.model_fingerprint != self.model_fingerprint:
+            claimed = beat.model_fingerprint[:64] or "missing"
+            return Verdict(False, "the worker's model or tokenizer does not match the orchestrator's; reusing KV "
+                                  "across model releases would be incorrect",
+                           detail=f"worker fingerprint {claimed!r}, orchestrator's {self.model_fingerprint!r}")
+        if beat.worker_id not in self._workers and len(self._workers) >= self.max_workers:
+            return Verdict(False, f"the fleet is full ({self.max_workers} workers registered)")
+        return None
 
     def expire(self, now: float) -> list[WorkerView]:
         """Remove and return workers whose last heartbeat is too old."""

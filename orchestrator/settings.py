@@ -35,6 +35,10 @@ class OrchestratorSettings:
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
+    registry_max_frame_bytes: int = setting(1 << 20, "largest message the registry reads; libzmq drops the "
+                                                     "connection of a peer that sends a larger one")
+    max_workers: int = setting(1024, "most workers registered at once; a heartbeat from another worker id is "
+                                     "refused while the fleet is full")
     worker_timeout_seconds: float = setting(60.0, "longest wait for the next token from a worker, unless the "
                                                   "worker is busy with its queue and still holds the request")
     queue_wait_limit_seconds: float = setting(600.0, "longest wait for a first token in the queue of a worker "
@@ -82,6 +86,8 @@ class OrchestratorSettings:
             raise ValueError(f"transfer_encryption must be 'on' or 'off', got {self.transfer_encryption!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.registry_max_frame_bytes < 4096 or self.max_workers < 1:
+            raise ValueError("registry_max_frame_bytes must be at least 4096 and max_workers at least 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.breaker_settings(), self.retry_policy()  # their own checks, at start-up

@@ -32,3 +32,7 @@ class StartupCalibration:
 
     def worker_down(self, worker_id: str) -> None:
         """Its timing stays: it describes the hardware, which a restart does not change."""
+
+    def worker_left(self, worker_id: str) -> None:
+        """Its role's timings stay; its own speed and links go with it."""
+        self.calibration.forget_worker(worker_id)

@@ -142,7 +142,7 @@ class SyntheticStack:
         self.log_path = log_path
         self.command = [sys.executable, "-m", "kvroute", "orchestrator", "--port", str(self.port),
                         "--registry-port", str(registry_port), "--model", model, *extra_args]
-        registry = f"tcp://127.0.0.1:{registry_port}"
+        self.registry = registry = f"tcp://127.0.0.1:{registry_port}"  # where its workers heartbeat
         worker_ids = [f"{role}-{roles[:i].count(role)}" for i, role in enumerate(roles)]
         workers = [[sys.executable, "-m", "testing.synthetic_worker", "--role", role, "--model", model,
                     "--worker-id", worker_id, "--orchestrator", registry, "--token-seconds", str(token_seconds),

@@ -17,6 +17,13 @@ Protocol over one ROUTER socket (client: a DEALER)::
 A pull may arrive before the engine has granted its lease (a grant reaches this process
 at the start of the engine's next step after the request finished), so unknown handles
 are parked briefly before being refused; a handle whose lease expired is refused at once.
+At most ``max_parked`` pulls wait at a time: beyond that a pull for an unknown handle is
+refused at once, so pulls naming handles that never come cost bounded memory and time.
+
+Links are opened on this thread, which serves every pull, so it hosts only the backends
+it was configured for (``TransportSettings.hosted``): a consumer asking for another
+(Gloo, say, whose hosting waits for the peer to join) is refused at first contact.
+Refusals caused by what a peer sent are logged at most once per interval per peer.
 
 The server thread is also the one place leases expire. An idle engine does not step
 (and a staged lease lets it go idle at once), so expiry cannot wait for the engine. And
@@ -36,6 +43,8 @@ import torch
 import zmq
 
 from foundation import wire
+from foundation.log_limits import PeerWarnings
+from foundation.netutil import peer_address
 from foundation.zmq_auth import secure_server
 from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
@@ -78,21 +87,25 @@ class BlockServer:
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
                  counters: Counters, park_seconds: float = 5.0, pull_records: PullRecords | None = None,
                  context: zmq.Context | None = None, cpus: list[int] | None = None,
-                 link_settings: TransportSettings | None = None):
+                 link_settings: TransportSettings | None = None, max_parked: int = 64):
         """``cpus``: where the server thread runs (default: where its creator runs);
-        ``link_settings``: this end's side of the links consumers open (default: automatic)."""
+        ``link_settings``: this end's side of the links consumers open (default: automatic);
+        ``max_parked``: most pulls waiting for their lease grants at once."""
         self.cache = cache
         self.pull_records = pull_records or PullRecords()
         self.leases = leases
         self.counters = counters
         self.park_seconds = park_seconds
+        self.max_parked = max_parked
+        self._warnings = PeerWarnings(logger)
         self._context = context or zmq.Context.instance()
         self._cpus = cpus
         self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker", transfer=True)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind_address)
         self._buffers = SendBufferPool()
-        self._parked: list[_ParkedPull] = []
+        self._parked: list[_ParkedPull] = []  # at most max_parked, each for at most park_seconds
+        self._peer: zmq.Frame | None = None  # the message being handled, to name its sender in warnings
         self.link_settings = link_settings or TransportSettings()
         self._links: OrderedDict[str, Sender] = OrderedDict()  # by the consumer's link id
         self._stopping = threading.Event()
@@ -117,7 +130,7 @@ class BlockServer:
         while not self._stopping.is_set():
             timeout = self.PARKED_POLL_MS if self._parked else self.EXPIRY_INTERVAL_SECONDS * 1000
             if poller.poll(timeout):
-                identity, *frames = self._socket.recv_multipart()
+                identity, *frames = self._socket.recv_multipart(copy=False)
                 self._handle(identity, frames)
             now = time.monotonic()
             if now >= next_expiry:
@@ -133,14 +146,17 @@ class BlockServer:
             else:
                 logger.warning("lease for request %s expired unpulled; freeing its blocks", lease.request_id)
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+    def _handle(self, frame: zmq.Frame, frames: list[zmq.Frame]) -> None:
+        """``frame``: the one carrying the peer's identity (and address); ``frames``: its message."""
+        identity = frame.bytes
         try:
             if len(frames) != 1:
                 raise wire.WireError(f"expected one frame, got {len(frames)}")
-            message = wire.decode(frames[0])
+            message = wire.decode(frames[0].buffer)
         except wire.WireError as error:
             self._reply(identity, wire.ErrorReply(request_id=None, code="bad_request", message=str(error)))
             return
+        self._peer = frame
         try:
             self._dispatch(identity, message)
         except Exception as error:  # the server must outlive any single bad request
@@ -184,7 +200,7 @@ class BlockServer:
             sender = open_sender(control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
                                  self.link_settings, zmq_context=self._context)
         except (TransportError, LayoutMismatch) as error:
-            logger.warning("refused a transfer link: %s", error)
+            self._warnings.warn(peer_address(self._peer), "refused a transfer link: %s", error)
             return
         self._links[message.link_id] = sender
         self.counters.add(links_opened=1)
@@ -197,6 +213,11 @@ class BlockServer:
             self._refuse(identity, "lease expired before this pull; its blocks are freed")
             return
         if self.leases.get(request.handle) is None:
+            if len(self._parked) >= self.max_parked:
+                self._warnings.warn(peer_address(self._peer), "%d pulls already wait for their leases; refused "
+                                    "one for an unknown handle", len(self._parked))
+                self._refuse(identity, f"unknown handle, and {self.max_parked} pulls already wait for their leases")
+                return
             self._parked.append(_ParkedPull(identity, request, time.monotonic() + self.park_seconds))
             return
         self._serve_pull(identity, request)

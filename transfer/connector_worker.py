@@ -83,7 +83,8 @@ class ConnectorWorker:
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
-                                  link_settings=self.settings.link_settings())
+                                  link_settings=self.settings.link_settings(),
+                                  max_parked=self.settings.max_parked_pulls)
         self.server.start()
         shortened = shorten_idle_spin(self.settings.idle_spin_seconds)
         logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s; "

@@ -4,6 +4,21 @@ ENDPOINT = "endpoint"  # no link: the layers come back on the connection that as
 LINK_CHOICES = (ENDPOINT, "auto", "zmq-tcp", "zmq-ipc", "gloo", "nccl")
 
 
+BACKEND_NAMES = LINK_CHOICES[2:]  # the transport backends an endpoint may host links of
+
+
 def check_transfer_link(value: str) -> None:
     if value not in LINK_CHOICES:
         raise ValueError(f"transfer_link must be one of {list(LINK_CHOICES)}, got {value!r}")
+
+
+def parse_link_hosts(value: str) -> tuple[str, ...] | None:
+    """``--transfer-link-hosts``: comma-separated backend names; empty: None (what
+    ``--transfer-link`` implies)."""
+    if not value.strip():
+        return None
+    names = tuple(name.strip() for name in value.split(","))
+    unknown = [name for name in names if name not in BACKEND_NAMES]
+    if unknown:
+        raise ValueError(f"transfer_link_hosts takes backends of {list(BACKEND_NAMES)}, got {unknown}")
+    return names

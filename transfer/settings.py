@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from transfer.link_control import transport_settings
-from transfer.link_names import ENDPOINT, check_transfer_link
+from transfer.link_names import ENDPOINT, check_transfer_link, parse_link_hosts
+from transfer.transports.selection import HOSTED_AT_ONCE
 from transfer.transports.settings import AUTO, TransportSettings
 
 
@@ -23,6 +24,9 @@ class ConnectorSettings:
     pull_timeout_seconds: float = 10.0
     # A pull that races ahead of its lease grant waits this long for it.
     park_seconds: float = 5.0
+    # At most this many pulls wait for their grants at once; more are refused at once (the
+    # consumer recomputes), so pulls naming handles that never come cost bounded memory and time.
+    max_parked_pulls: int = 64
     # Host memory a producer may use to copy leased blocks out of the engine's cache, so the
     # engine frees them at once instead of stepping until the lease ends; 0 keeps every
     # lease in place.
@@ -37,6 +41,11 @@ class ConnectorSettings:
     # or over a transport link per producer–consumer pair (transfer.link_control): "auto"
     # (CUDA caches: nccl; one host: zmq-ipc; else zmq-tcp) or a backend name forcing it.
     transfer_link: str = "endpoint"
+    # The backends this endpoint hosts links of when a consumer asks, comma-separated; empty:
+    # what transfer_link implies ("endpoint": zmq-ipc and zmq-tcp, which cost no wait; "auto":
+    # what auto picks; a backend: it and the ZeroMQ ones). Gloo and NCCL make the endpoint wait
+    # for the peer to join, so it hosts them only when configured for them.
+    transfer_link_hosts: str = ""
     # Stage leases in shared memory, and read a producer's staged copy straight into this
     # cache when both ends run on one host (transfer.shared_copies); off: always frames.
     shared_copies: bool = True
@@ -60,6 +69,9 @@ class ConnectorSettings:
         if not settings.transfer_address:
             raise ValueError("kvroute connector needs transfer_address (the advertised endpoint)")
         check_transfer_link(settings.transfer_link)
+        parse_link_hosts(settings.transfer_link_hosts)
+        if settings.max_parked_pulls < 1:
+            raise ValueError("max_parked_pulls must be at least 1")
         return settings
 
     @property
@@ -67,5 +79,10 @@ class ConnectorSettings:
         return self.transfer_link != ENDPOINT
 
     def link_settings(self) -> TransportSettings:
-        """This end's side of transport links: its override, if any, and its host."""
-        return transport_settings(self.transfer_link if self.uses_links else AUTO, self.transfer_address)
+        """This end's side of transport links: its override, if any, its host, and the
+        backends its endpoint hosts for consumers that ask."""
+        settings = transport_settings(self.transfer_link if self.uses_links else AUTO, self.transfer_address)
+        hosted = parse_link_hosts(self.transfer_link_hosts)
+        if hosted is None and not self.uses_links:
+            hosted = HOSTED_AT_ONCE
+        return replace(settings, hosted=hosted)

@@ -65,6 +65,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how pulled KV travels: 'endpoint', back on the pull's own connection, or a "
                              "transport link per worker pair: 'auto' (CUDA caches: nccl; one host: zmq-ipc; "
                              "else zmq-tcp) or a backend forcing it (default: %(default)s)")
+    parser.add_argument("--transfer-link-hosts", default=defaults.transfer_link_hosts,
+                        help="link backends this worker's transfer endpoint hosts when a consumer asks, "
+                             "comma-separated, e.g. 'zmq-ipc,zmq-tcp,gloo' (default: what --transfer-link "
+                             "implies: with 'endpoint' zmq-ipc and zmq-tcp, with 'auto' what auto picks, with "
+                             "a backend that one and the ZeroMQ ones); any other is refused at first contact")
     parser.add_argument("--no-shared-copies", dest="shared_copies", action="store_false",
                         help="stage leases in private memory and always send pulled KV as frames, also "
                              "between workers on one host (default: a consumer on the producer's host reads "
@@ -94,7 +99,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
         step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
-        transfer_link=args.transfer_link, shared_copies=args.shared_copies,
+        transfer_link=args.transfer_link, transfer_link_hosts=args.transfer_link_hosts,
+        shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,
         insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on")
 

@@ -36,6 +36,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_cpus": settings.transfer_cpus,
             "pull_timeout_seconds": settings.pull_timeout_seconds,
             "transfer_link": settings.transfer_link,
+            "transfer_link_hosts": settings.transfer_link_hosts,
             "shared_copies": settings.shared_copies,
             "evict_pulled_first": settings.evict_pulled_first,
             "cluster_keys": settings.cluster_keys,

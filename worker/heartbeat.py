@@ -24,6 +24,7 @@ from foundation.zmq_auth import secure_client
 
 logger = logging.getLogger("kvroute.worker.heartbeat")
 BEATS_QUEUED = 4  # per orchestrator, while it is not connected; later beats are dropped
+MAX_REPLY_BYTES = 64 * 1024  # a RegisterReply is a few hundred bytes; libzmq drops a peer sending more
 
 
 def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: float,
@@ -53,6 +54,7 @@ class HeartbeatSender:
             socket = secure_client(async_context().socket(zmq.DEALER), "orchestrator")
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, BEATS_QUEUED)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             socket.connect(address)
             self._sockets[address] = socket
             self._verdicts[address] = None

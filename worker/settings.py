@@ -6,10 +6,12 @@ import os
 import uuid
 from dataclasses import dataclass, field, replace
 
+from foundation.addresses import check_host
+from foundation.heartbeat_checks import check_name
 from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
 from transfer.affinity import parse_cpus
-from transfer.link_names import ENDPOINT, check_transfer_link
+from transfer.link_names import ENDPOINT, check_transfer_link, parse_link_hosts
 
 DECODE_LONG_PREFILL_TOKENS = 256
 PREFILL_LONG_PREFILL_TOKENS = 256
@@ -63,6 +65,9 @@ class WorkerSettings:
     omp_threads_bind: str | None = None
     transfer_cpus: str = ""  # CPUs of the connector's transfer threads; empty: all (transfer.affinity)
     transfer_link: str = ENDPOINT  # how pulled KV travels (transfer.link_control)
+    # The link backends its transfer endpoint hosts for consumers, comma-separated; empty: what
+    # transfer_link implies (transfer.settings.ConnectorSettings.transfer_link_hosts).
+    transfer_link_hosts: str = ""
     # Leases staged in shared memory, read in place by consumers on this host (transfer.shared_copies).
     shared_copies: bool = True
     # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
@@ -94,7 +99,12 @@ class WorkerSettings:
         if self.drain_seconds < 0:
             raise ValueError("drain_seconds must not be negative")
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
+        # Orchestrators refuse heartbeats with a malformed id or address: fail here, saying why.
+        check_host(self.host, "host (the address other processes reach this worker at)")
+        if self.worker_id:
+            check_name(self.worker_id, "worker_id")
         check_transfer_link(self.transfer_link)
+        parse_link_hosts(self.transfer_link_hosts)
 
     @property
     def long_prefill_step_tokens(self) -> int:

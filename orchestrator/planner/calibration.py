@@ -105,6 +105,10 @@ class PrefillCalibrator:
             own = self._by_worker.setdefault(worker_id, deque(maxlen=WORKER_SPEED_WINDOW))
             own.append((worker_class, new_tokens, cached_tokens, seconds, now))
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Its own speed goes; its prefills stay in its class's fit."""
+        self._by_worker.pop(worker_id, None)
+
     def speeds(self, coefficients: Callable[[str], PrefillCoefficients], now: float | None = None) -> dict[str, float]:
         """Each worker with enough recent prefills: the median of its measured over its
         class's estimated seconds (``coefficients(class)``, the model's own). Workers of one
@@ -247,6 +251,13 @@ class LinkCalibrator:
             moments.update(float(num_bytes), seconds, self.smoothing)
         self._observed_at[link] = now
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Every link from or to ``worker_id``."""
+        for link in [link for link in self._moments if worker_id in link]:
+            del self._moments[link]
+            self._surprises.pop(link, None)
+            self._observed_at.pop(link, None)
+
     def next_expiry(self, now: float) -> float:
         """When the first link remembered at ``now`` is forgotten."""
         return next_expiry(self._observed_at.values(), now)
@@ -337,6 +348,12 @@ class Calibration:
     def observe_link(self, source: str, destination: str, num_bytes: int, seconds: float,
                      now: float | None = None) -> None:
         self.links.observe(source, destination, num_bytes, seconds, now)
+        self._dirty = True
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker left the fleet: its speed and its links are no longer measurements of anything."""
+        self.prefill.forget_worker(worker_id)
+        self.links.forget_worker(worker_id)
         self._dirty = True
 
     def calibrated_model(self, now: float | None = None) -> CostModel:

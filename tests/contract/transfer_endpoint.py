@@ -35,13 +35,14 @@ DEADLINE_SECONDS = 5.0
 class Producer:
     """A BlockServer on 127.0.0.1 over a random producer cache, with its lease table and counters."""
 
-    def __init__(self, dtype: torch.dtype, layout: str, link_settings: TransportSettings | None = None):
+    def __init__(self, dtype: torch.dtype, layout: str, link_settings: TransportSettings | None = None,
+                 max_parked: int = 64):
         self.cache = make_cache(dtype, layout, PRODUCER_BLOCKS, seed=1234)
         self.leases = LeaseTable()
         self.counters = Counters()
         self.address = tcp("127.0.0.1", free_port())
         self.server = BlockServer(self.address, self.cache, self.leases, self.counters,
-                                  park_seconds=PARK_SECONDS, link_settings=link_settings)
+                                  park_seconds=PARK_SECONDS, link_settings=link_settings, max_parked=max_parked)
 
     @contextlib.contextmanager
     def serving(self):

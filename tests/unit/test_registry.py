@@ -18,7 +18,7 @@ TIMEOUT = 5.0
 def beat(worker_id: str = "w1", role: str = "prefill", incarnation: str = "inc-1", fingerprint: str = FP,
          rpc_address: str | None = None, running: int = 0, kv_events: str = "") -> wire.Heartbeat:
     return wire.Heartbeat(worker_id=worker_id, role=role, incarnation=incarnation,
-                          rpc_address=rpc_address or f"tcp://127.0.0.1:9{len(worker_id)}00/{worker_id}",
+                          rpc_address=rpc_address or f"tcp://{worker_id}.workers.test:9000",
                           load=wire.WorkerLoad(num_running=running, num_free_blocks=10, num_total_blocks=20),
                           sent_at=0.0, kv_events_address=kv_events, model_fingerprint=fingerprint)
 
@@ -48,9 +48,11 @@ def test_refuses_other_or_missing_fingerprint(registry, fingerprint, shown):
     verdict = registry.observe(beat(fingerprint=fingerprint), now=1.0)
     assert not verdict.accepted
     assert not verdict.is_new and verdict.replaced is None
-    # The reason names both sides so an operator can see which release is which.
-    assert shown in verdict.reason
-    assert FP in verdict.reason
+    # The reason goes back to the sender: it says the model differs, never which one is wanted.
+    assert "does not match" in verdict.reason and FP not in verdict.reason
+    assert fingerprint not in verdict.reason or not fingerprint
+    # The orchestrator's own log names both sides, so an operator can see which release is which.
+    assert shown in verdict.detail and FP in verdict.detail
     assert registry.get("w1") is None
     assert registry.live() == []
 
@@ -170,3 +172,52 @@ def test_the_cores_a_worker_computes_on_are_kept_for_the_planner(registry):
     registry.observe(beat("p1"), now=0.0)
     assert registry.get("p0").cores == cores
     assert registry.get("p1").cores is None
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("rpc_address", "garbage", "rpc_address"),
+    ("rpc_address", "tcp://127.0.0.1:0", "port"),
+    ("rpc_address", "tcp://*:5555", "host"),
+    ("rpc_address", "tcp://0.0.0.0:5555", "wildcard"),
+    ("rpc_address", "tcp://10.0.0.1;10.0.0.2:5555", "host"),
+    ("rpc_address", "tcp://h:" + "9" * 300, "longer than"),
+    ("kv_events_address", "udp://h:5556", "kv_events_address"),
+    ("transfer_address", "ipc://relative.sock", "ipc path"),
+    ("worker_id", "", "worker_id"),
+    ("worker_id", "w" * 129, "worker_id"),
+    ("worker_id", "w1\nFAKE LOG LINE", "printable"),
+    ("incarnation", "inc 1", "incarnation"),
+])
+def test_refuses_a_malformed_heartbeat_and_registers_nothing(registry, field, value, named):
+    verdict = registry.observe(msgspec.structs.replace(beat(), **{field: value}), now=1.0)
+    assert not verdict.accepted and named in verdict.reason
+    assert registry.live() == []
+
+
+@pytest.mark.parametrize("load", [wire.WorkerLoad(num_free_blocks=-1), wire.WorkerLoad(head_prompt_age=float("nan")),
+                                  wire.WorkerLoad(queued_prefill={"r": -5})])
+def test_refuses_a_nonsensical_load(registry, load):
+    assert not registry.observe(msgspec.structs.replace(beat(), load=load), now=1.0).accepted
+
+
+def test_refuses_a_nonsensical_probe_or_core_binding(registry):
+    assert not registry.observe(msgspec.structs.replace(
+        beat(), prefill_probe=wire.PrefillProbe(new_tokens=8, seconds=float("inf"))), now=1.0).accepted
+    assert not registry.observe(msgspec.structs.replace(
+        beat(), cores=wire.CoreBinding(machine="boot-a", cores=(-1,))), now=1.0).accepted
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://worker-3.pool.svc:20001", "tcp://[::1]:7001",
+                                     "ipc:///tmp/kvroute/worker.sock"])
+def test_accepts_every_address_form_workers_advertise(registry, address):
+    assert registry.observe(beat(rpc_address=address), now=1.0).accepted
+
+
+def test_a_full_fleet_refuses_new_ids_and_keeps_beating_the_registered_ones():
+    registry = WorkerRegistry(FP, heartbeat_timeout=TIMEOUT, max_workers=2)
+    assert registry.observe(beat("w1"), now=1.0).accepted and registry.observe(beat("w2"), now=1.0).accepted
+    refused = registry.observe(beat("w3"), now=2.0)
+    assert not refused.accepted and "full" in refused.reason
+    assert registry.observe(beat("w1"), now=2.0).accepted  # a registered worker still beats
+    registry.expire(now=1.0 + TIMEOUT + 0.1)  # w2 went silent: room for one more
+    assert registry.observe(beat("w3"), now=7.0).accepted

@@ -12,7 +12,8 @@ from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.header import TransferHeader
 from transfer.transports.links import LinkTable
 from transfer.transports.packing import message_groups
-from transfer.transports.selection import choose_backend
+from transfer.transports.selection import choose_backend, hosted_backends
+from transfer.transports.settings import TransportSettings
 
 LAYOUT = KVLayoutSpec(dtype="bfloat16", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
                       block_size=128, bytes_per_block=2 * 3 * 128 * 64 * 2 * 30)
@@ -118,3 +119,23 @@ MiB = 1 << 20
 ])
 def test_zmq_message_groups_keep_frame_order(frame_bytes, groups):
     assert message_groups(frame_bytes) == groups
+
+
+@pytest.mark.parametrize("settings, hosted", [
+    (TransportSettings(), ("nccl", "zmq-ipc", "zmq-tcp")),  # what auto may choose, never gloo or fake
+    (TransportSettings(backend="gloo"), ("gloo", "zmq-ipc", "zmq-tcp")),
+    (TransportSettings(backend="zmq-tcp"), ("zmq-tcp", "zmq-ipc")),
+    (TransportSettings(backend="fake"), ("fake", "zmq-ipc", "zmq-tcp")),  # tests force it on both ends
+    (TransportSettings(hosted=("zmq-tcp",)), ("zmq-tcp",)),
+])
+def test_a_sender_hosts_what_it_was_configured_for(settings, hosted):
+    assert hosted_backends(settings) == hosted
+
+
+@pytest.mark.parametrize("asked", ["gloo", "fake"])
+def test_a_backend_the_sender_does_not_host_is_refused_on_both_ends(asked):
+    sender = hello(backends=["zmq-tcp", "zmq-ipc"])  # an endpoint without links of its own
+    receiver = hello(RECEIVER, requested=asked)
+    for local, remote in ((sender, receiver), (receiver, sender)):
+        with pytest.raises(LinkRefused, match=f"backend {asked} cannot run on the .* end, or is not one it takes"):
+            choose_backend(local, remote)

@@ -20,13 +20,18 @@ from transfer.transports.base import Receiver, Sender
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused
 from transfer.transports.handshake import RECEIVER, SENDER, exchange_hellos, host_identity, receive, send
-from transfer.transports.selection import backend, choose_backend, runnable_backends
+from transfer.transports.selection import backend, choose_backend, hosted_backends, runnable_backends
 from transfer.transports.settings import LinkOptions, TransportSettings
 
 
 def _hello(role: str, layout: KVLayoutSpec, options: LinkOptions) -> LinkHello:
+    """This end as the peer sees it; a sender offers only the backends it hosts."""
+    backends = runnable_backends(options.device)
+    if role == SENDER:
+        hosted = hosted_backends(options.settings)
+        backends = [name for name in backends if name in hosted]
     return LinkHello(role=role, layout=layout, device=options.device.type, host_id=host_identity(),
-                     backends=runnable_backends(options.device), requested=options.settings.backend)
+                     backends=backends, requested=options.settings.backend)
 
 
 def _options(device: torch.device | str, settings: TransportSettings | None,

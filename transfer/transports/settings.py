@@ -21,6 +21,9 @@ class TransportSettings:
     host: str = "127.0.0.1"
     # Where zmq-ipc links put their socket files; empty: the system's temporary directory.
     ipc_dir: str = ""
+    # The backends this end hosts when it is a link's sender (a peer asks, this end binds and
+    # waits); None: what ``backend`` implies (``selection.hosted_backends``).
+    hosted: tuple[str, ...] | None = None
 
     @property
     def ipc_directory(self) -> str:

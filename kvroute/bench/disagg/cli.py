@@ -90,9 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_args(args: argparse.Namespace, model: str, cpus: str) -> list[str]:
+    # The producer's endpoint hosts only the links it was set up for; this run opens each of --links.
+    hosts = ["--transfer-link-hosts", ",".join(args.links)] if args.links else []
     return ["--model", model, "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-model-len", str(args.max_model_len), "--omp-threads-bind", cpus,
-            "--transfer-cpus", args.transfer_cpus]
+            "--transfer-cpus", args.transfer_cpus, *hosts]
 
 
 async def measure(args: argparse.Namespace, model: str, workers: dict, results: dict) -> None:
