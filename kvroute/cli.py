@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (config.ConfigError, ValueError) as error:
-        parser.error(str(error))
-        return 2
+        # One line: a settings error is about values, so argparse's usage text would only bury it.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import uvicorn
 import uvloop
 
 from foundation import cluster_keys
@@ -37,7 +35,8 @@ from kvroute.topology import (
     plan_topology,
     usable_cores,
 )
-from orchestrator.app import create_app
+from orchestrator.app import create_apps
+from orchestrator.http_server import listeners, serve_all, stop_on_signals
 from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import ENDPOINT, check_transfer_link
 from worker.settings import WorkerSettings
@@ -128,8 +127,7 @@ def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
     return workers
 
 
-async def wait_registered(app, workers: list[LaunchedWorker], timeout: float) -> None:
-    fleet = app.state.fleet
+async def wait_registered(fleet, workers: list[LaunchedWorker], timeout: float) -> None:
     expected = {role: sum(w.role == role for w in workers) for role in ROLES}
     deadline = asyncio.get_running_loop().time() + timeout
     while any(len(fleet.live(role)) < count for role, count in expected.items()):
@@ -142,47 +140,33 @@ async def wait_registered(app, workers: list[LaunchedWorker], timeout: float) ->
         await asyncio.sleep(0.5)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a captured Ctrl-C after shutting down, which would interrupt the
-    workers' shutdown; ``serve`` handles SIGINT and SIGTERM itself instead."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-def _stop_on_signals(server: uvicorn.Server) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-
-
 async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
     model = resolve_model(orchestrator.model, progress=True)
     orchestrator = replace(orchestrator, model=model, registry_port=free_port())
-    app = create_app(orchestrator)
-    server = _Server(uvicorn.Config(app, **orchestrator.http_server_options(), timeout_graceful_shutdown=5))
-    _stop_on_signals(server)
-    api = asyncio.create_task(server.serve())
+    apps = create_apps(orchestrator)
+    servers = listeners(apps, orchestrator, graceful_seconds=5)
+    stop_on_signals(servers)
+    api = asyncio.create_task(serve_all(servers))
     workers: list[LaunchedWorker] = []
     try:
-        while not server.started and not api.done():
+        while not all(server.started for server in servers) and not api.done():
             await asyncio.sleep(0.1)
         if api.done():
             return
         topology = machine_topology(pool)
-        app.state.topology = topology.describe()
+        apps.state.topology = topology.describe()
         logger.info("topology %s (%s): %s", topology.spec, topology.reason,
                     ", ".join(f"{e.role} on {f'GPU {e.gpu}' if e.gpu is not None else f'cores {e.cores}'} with "
                               f"{e.kv_cache_gib:g} GiB of KV" for e in topology.engines))
         workers = launch_pool(pool, orchestrator, model, topology)
-        if not await _race(api, wait_registered(app, workers, pool.worker_start_timeout)):
+        if not await _race(api, wait_registered(apps.state.fleet, workers, pool.worker_start_timeout)):
             return  # stopped (Ctrl-C) while the workers were starting
         print(f"kvroute is serving at http://{orchestrator.host}:{orchestrator.port}/v1 "
-              f"(model '{app.state.model_name}'); Ctrl-C stops it", flush=True)
+              f"(model '{apps.state.model_name}'); Ctrl-C stops it", flush=True)
         await api
     finally:
-        server.should_exit = True
+        for server in servers:
+            server.should_exit = True
         await asyncio.gather(api, return_exceptions=True)
         await asyncio.to_thread(stop_all, workers)
         logger.info("stopped %d workers", len(workers))

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from foundation import wire
 from foundation.identity import Namespace
-from orchestrator.admin import describe_workers, reset_all_caches
-from orchestrator.auth import ApiKeys
+from orchestrator.auth import ApiKeys, Principal
 from orchestrator.errors import APIError, error_body
 from orchestrator.index_sync import IndexSync
+from orchestrator.input_limits import InputLimits
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.service import CompletionService, Delta, Job, Outcome
@@ -40,7 +39,13 @@ class ApiContext:
     index_sync: IndexSync
     allow_policy_override: bool = False
     rate_limits: TenantRateLimits = field(default_factory=TenantRateLimits)
+    limits: InputLimits = field(default_factory=InputLimits)
     salt_secret: bytes | None = None  # the cluster's (foundation.cluster_keys); None: unkeyed salts
+
+    def authenticate(self, request: Request) -> Principal:
+        """The caller's principal (401 without a valid key), kept on ``request.state``."""
+        request.state.principal = self.api_keys.authenticate(request.headers.get("authorization"))
+        return request.state.principal
 
     def namespace(self, request: Request) -> Namespace:
         principal = request.state.principal
@@ -60,16 +65,13 @@ class ApiContext:
 
 
 def build_routers(context: ApiContext) -> list[APIRouter]:
-    """The public routes (health, metrics) and the routes that need an API key when keys are set."""
+    """The public route (health) and the routes that need an API key when keys are set. The
+    operator's routes (``/admin``, ``/metrics``) are ``orchestrator.admin_routes``."""
     async def authenticate(request: Request) -> None:
-        request.state.principal = context.api_keys.authenticate(request.headers.get("authorization"))
-
-    async def within_rate_limit(request: Request) -> None:  # runs after the router's authenticate
-        context.rate_limits.admit(request.state.principal.tenant)
+        context.authenticate(request)
 
     public, router = APIRouter(), APIRouter(dependencies=[Depends(authenticate)])
-    limited = [Depends(within_rate_limit)]  # only the completion routes: they are what costs engine time
-    service, codec = context.service, context.service.codec
+    service, codec, limits = context.service, context.service.codec, context.limits
 
     @router.get("/v1/models")
     async def models():
@@ -83,58 +85,50 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
         return JSONResponse({"status": "ok" if fleet.can_serve() else "unavailable", **body},
                             status_code=200 if fleet.can_serve() else 503)
 
-    @router.get("/admin/workers")
-    async def workers(request: Request):
-        """Workers in rotation, then draining ones (operators, tests, dashboards); and the
-        topology ``kvroute serve`` chose, where it started them."""
-        model = service.calibration.calibrated_model(time.monotonic())
-        body = {"workers": describe_workers(service.fleet, service.index, model.prefill_speed)}
-        topology = getattr(request.app.state, "topology", None)
-        return body if topology is None else {**body, "topology": topology}
-
-    @router.post("/admin/reset-cache")
-    async def reset_cache(role: str | None = None):
-        if role is not None and role not in wire.ROLES:
-            raise APIError(400, f"role must be one of {', '.join(wire.ROLES)}", code="invalid_role", param="role")
-        results = await reset_all_caches(service.fleet, context.index_sync, wire.ROLES if role is None else (role,))
-        everywhere = all(r["reset"] for r in results)
-        return JSONResponse({"reset": everywhere, "workers": results}, status_code=200 if everywhere else 503)
-
-    @public.get("/metrics")
-    async def metrics():
-        service.metrics.refresh_fleet(service.fleet, service.index)
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     @router.get("/v1/decisions")
-    async def recent_decisions(limit: int = Query(20, ge=1, le=DECISIONS_LIMIT)):
-        return {"object": "list", "data": [r.to_dict() for r in service.decisions.recent(limit)]}
+    async def recent_decisions(request: Request, limit: int = Query(20, ge=1, le=DECISIONS_LIMIT)):
+        records = service.decisions.recent(limit, _visible_tenant(request))
+        return {"object": "list", "data": [r.to_dict() for r in records]}
 
     @router.get("/v1/decisions/{response_id}")
-    async def decisions_of(response_id: str):
-        records = service.decisions.by_response(response_id)
+    async def decisions_of(response_id: str, request: Request):
+        # Another tenant's record answers as an unknown one: its existence is not the caller's to learn.
+        records = service.decisions.by_response(response_id, _visible_tenant(request))
         if not records:
             raise APIError(404, f"no decision record for '{response_id}' (unknown, or aged out)",
                            param="response_id", code="decision_not_found")
         return {"object": "list", "data": [r.to_dict() for r in records]}
 
-    @router.post("/v1/chat/completions", dependencies=limited)
+    @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_request(body, context)
-        try:
-            prompt = codec.encode_chat([m.as_template_message() for m in body.messages])
-        except PromptError as error:
-            raise APIError(400, str(error), param="messages") from error
+        context.rate_limits.admit(request.state.principal.tenant)
+        messages = [m.as_template_message() for m in body.messages]
+        size = sum(len(m["content"]) for m in messages)
+        prompt = await tokenize_off_loop_if_large(size, limits.tokenize_in_thread_chars, _encode_chat, codec,
+                                                  messages)
         shape = ChatShape(context.model_name)
         return await _respond(service, body, _jobs(body, [prompt], context, request, shape), shape)
 
-    @router.post("/v1/completions", dependencies=limited)
+    @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_request(body, context)
-        prompts = [_encode_prompt(codec, prompt) for prompt in body.prompts()]
+        texts = body.prompts()
+        limits.check_prompt_count(len(texts))
+        context.rate_limits.admit(request.state.principal.tenant, cost=len(texts))
+        size = sum(len(t) for t in texts if isinstance(t, str))
+        prompts = await tokenize_off_loop_if_large(size, limits.tokenize_in_thread_chars, _encode_prompts, codec,
+                                                   texts)
         shape = TextShape(context.model_name)
         return await _respond(service, body, _jobs(body, prompts, context, request, shape), shape)
 
     return [public, router]
+
+
+def _visible_tenant(request: Request) -> str | None:
+    """Whose decision records the caller may read: its tenant's, or every tenant's (None) for an admin."""
+    principal = request.state.principal
+    return None if principal.admin else principal.tenant
 
 
 def _check_request(body: _Sampling, context: ApiContext) -> None:
@@ -143,6 +137,27 @@ def _check_request(body: _Sampling, context: ApiContext) -> None:
                             f"'{context.model_name}'", param="model", code="model_not_found")
     if (name := body.unsupported_parameter()) is not None:
         raise APIError(400, f"'{name}' is not supported by kvroute", param=name, code="unsupported_parameter")
+    context.limits.check_stops(body.stop_strings())
+
+
+async def tokenize_off_loop_if_large(size: int, threshold: int, encode, *args):
+    """Tokenizing a large body takes milliseconds to seconds; on a worker thread the event loop
+    keeps streaming every other request meanwhile. Small ones stay inline: a thread hop
+    costs more than they do."""
+    if size >= threshold:
+        return await asyncio.to_thread(encode, *args)
+    return encode(*args)
+
+
+def _encode_chat(codec, messages: list[dict]) -> list[int]:
+    try:
+        return codec.encode_chat(messages)
+    except PromptError as error:
+        raise APIError(400, str(error), param="messages") from error
+
+
+def _encode_prompts(codec, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [_encode_prompt(codec, prompt) for prompt in prompts]
 
 
 def _encode_prompt(codec, prompt: str | list[int]) -> list[int]:
@@ -160,9 +175,11 @@ def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, reques
     response_id = shape.id_prefix + uuid.uuid4().hex
     policy = context.policy_for(request)
     salt = context.namespace(request).cache_salt(context.salt_secret)
+    tenant = request.state.principal.tenant
     jobs = [_job(body, prompt, context) for prompt in prompts]
     for index, job in enumerate(jobs):
         job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt
+        job.tenant = tenant
     return jobs
 
 

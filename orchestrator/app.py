@@ -1,17 +1,20 @@
-"""Assembling the orchestrator: model, tokenizer, fleet, policy, service, HTTP app."""
+"""Assembling the orchestrator: model, tokenizer, fleet, policy, service, HTTP apps."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-import uvicorn
-from fastapi import FastAPI
+import uvloop
+from fastapi import APIRouter, FastAPI
 
 from foundation import zmq_auth
 from foundation.model_fingerprint import model_fingerprint
+from orchestrator.admin_routes import admin_routers
 from orchestrator.api import ApiContext, build_routers
 from orchestrator.auth import ApiKeys
 from orchestrator.decisions import DecisionLog
@@ -19,8 +22,10 @@ from orchestrator.errors import install_handlers
 from orchestrator.feedback import Feedback
 from orchestrator.fleet import Fleet
 from orchestrator.http_middleware import BodySizeLimit, RequestCounter
+from orchestrator.http_server import listeners, serve_all, stop_on_signals
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
+from orchestrator.input_limits import InputLimits
 from orchestrator.metrics import Metrics
 from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.policies import POLICIES, make_policy
@@ -34,10 +39,27 @@ from orchestrator.tokenization import TextCodec
 logger = logging.getLogger("kvroute.orchestrator")
 
 
-def create_app(settings: OrchestratorSettings) -> FastAPI:
+@dataclass(frozen=True)
+class OrchestratorApps:
+    """The API app, and the admin app when ``/admin`` and ``/metrics`` have a listener of
+    their own (None: they are routes of the API app). Both share one ``state``."""
+
+    api: FastAPI
+    admin: FastAPI | None = None
+
+    @property
+    def state(self):
+        return self.api.state
+
+    def __iter__(self):
+        return iter((self.api,) if self.admin is None else (self.api, self.admin))
+
+
+def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
     """``settings.model`` is a model folder or hub id, already resolved by the entry point."""
     if not settings.model:
-        raise ValueError("create_app needs a model folder or hub id (foundation.model_prep.resolve_model)")
+        raise ValueError("create_apps needs a model folder or hub id (foundation.model_prep.resolve_model)")
+    api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()  # fails fast
     model_path = settings.model
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
@@ -65,20 +87,31 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
             await index_sync.stop()
             await fleet.stop()
 
-    app = FastAPI(title="kvroute", lifespan=lifespan)
-    app.state.fleet = fleet
-    app.state.model_name = model_name
-    install_handlers(app)
-    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
-    app.add_middleware(RequestCounter, metrics=service.metrics)  # outermost: counts the 413s too
-    api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()
     rate_limits = TenantRateLimits(settings.default_rate_limit(), api_keys.rate_limits,
                                    on_limited=metrics.observe_rate_limited)
+    limits = InputLimits(settings.max_prompts_per_request, settings.max_stop_sequences, settings.max_stop_length,
+                         settings.tokenize_in_thread_chars)
     security = zmq_auth.current()
     context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
-                         settings.allow_policy_override, rate_limits,
+                         settings.allow_policy_override, rate_limits, limits,
                          salt_secret=security.keys.salt_secret if security.keys else None)
-    for router in build_routers(context):
+    api = _http_app(FastAPI(title="kvroute", lifespan=lifespan), settings, metrics, build_routers(context))
+    api.state.fleet = fleet
+    api.state.model_name = model_name
+    if not settings.separate_admin_listener:
+        for router in admin_routers(context):
+            api.include_router(router)
+        return OrchestratorApps(api)
+    admin = _http_app(FastAPI(title="kvroute admin"), settings, metrics, admin_routers(context))
+    admin.state = api.state  # the topology ``kvroute serve`` sets, for /admin/workers
+    return OrchestratorApps(api, admin)
+
+
+def _http_app(app: FastAPI, settings: OrchestratorSettings, metrics: Metrics, routers: list[APIRouter]) -> FastAPI:
+    install_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts the 413s too
+    for router in routers:
         app.include_router(router)
     return app
 
@@ -87,4 +120,11 @@ def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings.configure_security()
-    uvicorn.run(create_app(settings), **settings.http_server_options(), timeout_graceful_shutdown=10)
+    servers = listeners(create_apps(settings), settings, graceful_seconds=10)
+
+    async def serve() -> None:
+        stop_on_signals(servers)
+        await serve_all(servers)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve())

@@ -3,11 +3,13 @@
 A record is written when the request is placed (estimates, alternatives, reason) and
 completed when it finishes (actual reused tokens and latencies). Recent records stay in
 memory for ``GET /v1/decisions``; every completed record is also logged as one JSON line
-on the ``kvroute.decisions`` logger.
+on the ``kvroute.decisions`` logger. A record carries the tenant whose request it
+explains: a tenant's key reads its own records only, an admin key reads all.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -61,19 +63,21 @@ class DecisionRecord:
     # Of the predicted reuse, the part the engine had reported stored when the plan was
     # made; the rest was claimed for requests still prefilling there (pending_blocks).
     predicted_stored_tokens: int = 0
+    tenant: str = "anonymous"
     created_at: float = field(default_factory=time.time)
     actual: Actual = field(default_factory=Actual)
 
     @classmethod
     def from_decision(cls, decision: Decision, response_id: str, choice_index: int, request_id: str,
-                      prompt_tokens: int, block_size: int, stored_tokens: int) -> DecisionRecord:
+                      prompt_tokens: int, block_size: int, stored_tokens: int, tenant: str = "anonymous"
+                      ) -> DecisionRecord:
         """``stored_tokens``: the leading prompt tokens the prefilling worker had reported stored."""
         chosen = decision.chosen
         predicted = chosen.estimate.reused_tokens if chosen and chosen.estimate else 0
         return cls(response_id, choice_index, request_id, decision.policy, prompt_tokens, block_size, predicted,
                    decision.reason, plan_summary(chosen) if chosen else None,
                    [plan_summary(p) for p in decision.alternatives if p is not chosen],
-                   predicted_stored_tokens=min(stored_tokens, predicted))
+                   predicted_stored_tokens=min(stored_tokens, predicted), tenant=tenant)
 
     def index_overestimated(self) -> bool:
         """The engine lacked blocks it had reported stored: the index is stale."""
@@ -111,8 +115,12 @@ class DecisionLog:
         if logger.isEnabledFor(logging.INFO):  # encoding a record costs more than the rest of its bookkeeping
             logger.info("%s", _record_encoder.encode(record).decode())
 
-    def by_response(self, response_id: str) -> list[DecisionRecord]:
-        return [r for (rid, _, _), r in self._records.items() if rid == response_id]
+    def by_response(self, response_id: str, tenant: str | None = None) -> list[DecisionRecord]:
+        """``tenant``: only that tenant's records (None: every tenant's)."""
+        return [r for (rid, _, _), r in self._records.items()
+                if rid == response_id and (tenant is None or r.tenant == tenant)]
 
-    def recent(self, limit: int) -> list[DecisionRecord]:
-        return list(self._records.values())[-limit:][::-1]
+    def recent(self, limit: int, tenant: str | None = None) -> list[DecisionRecord]:
+        """The ``limit`` newest records, newest first; ``tenant`` as in ``by_response``."""
+        newest_first = reversed(self._records.values())
+        return list(itertools.islice((r for r in newest_first if tenant is None or r.tenant == tenant), limit))

@@ -15,9 +15,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("kvroute.orchestrator.errors")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -68,7 +69,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
-        return error_response(APIError(error.status_code, str(error.detail), headers=error.headers))
+        # ``code``: set by kvroute's own HTTP exceptions (orchestrator.http_middleware.BodyTooLarge)
+        return error_response(APIError(error.status_code, str(error.detail), code=getattr(error, "code", None),
+                                       headers=error.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):

@@ -7,6 +7,8 @@ that is measurable overhead per request, so these wrap ``send`` instead.
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from orchestrator.errors import APIError, error_response
 from orchestrator.metrics import Metrics
 
@@ -18,21 +20,61 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` when a body passes the limit. An HTTP exception, so FastAPI's
+    body reading lets it through to the error handlers (any other exception there becomes
+    a 400). ``Connection: close``: the server stops reading the rest of the body."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body over {limit} bytes (--max-request-bytes)",
+                         headers={"Connection": "close"})
+
+
 class BodySizeLimit:
-    """Refuse a request whose declared body is over ``limit`` bytes with 413, unread."""
+    """Refuse a request whose body is over ``limit`` bytes with 413: unread when its
+    Content-Length says so, else as soon as the bytes received pass the limit (a chunked
+    body declares no length; nothing is buffered beyond the limit)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = _header(scope, b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.limit:
-                response = error_response(APIError(413, f"request body over {self.limit} bytes",
-                                                   code="request_too_large"))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _too_large(BodyTooLarge(self.limit))(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def send_noting_start(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive_within_limit, send_noting_start)
+        except BodyTooLarge as error:  # read outside FastAPI's body parsing, so not answered yet
+            if started:
+                raise
+            await _too_large(error)(scope, receive, send)
+
+
+def _too_large(error: BodyTooLarge):
+    return error_response(APIError(413, str(error.detail), code=error.code, headers=error.headers))
 
 
 class RequestCounter:

@@ -72,12 +72,6 @@ class _Sampling(BaseModel):
     modalities: list[str] | None = None
     prediction: Any = None
 
-    @model_validator(mode="after")
-    def _bounded_stops(self):
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings")
-        return self
-
     def unsupported_parameter(self) -> str | None:
         """The first parameter set to a value kvroute cannot honour, if any."""
         for name, neutral in UNSUPPORTED_NEUTRAL.items():
@@ -86,6 +80,8 @@ class _Sampling(BaseModel):
         return None
 
     def stop_strings(self) -> list[str]:
+        """The non-empty stop strings; their number and length are bounded by
+        ``orchestrator.input_limits`` (settings, so not here)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 

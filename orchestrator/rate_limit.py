@@ -1,8 +1,11 @@
 """Per-tenant rate limits on the completion routes: one token bucket per tenant.
 
 A bucket holds up to ``burst`` tokens and refills at ``rate`` tokens a second. Each
-completion request takes one; a request that finds less than one token is refused with
-429 and ``Retry-After``, the seconds until a token is back (rounded up), and takes nothing.
+prompt of a completion request takes one (a ``/v1/completions`` request with 16 prompts
+costs the engines 16 requests' work, so it takes 16); a request that finds fewer tokens
+than it needs is refused with 429 and ``Retry-After``, the seconds until enough are back
+(rounded up), and takes nothing. A request needing more than the burst can never be
+admitted: its 429 says so and carries no ``Retry-After``.
 Limits are optional: the orchestrator's ``tenant_rate_limit`` sets one for every tenant,
 and a key's ``rate_limit`` in the key file sets its tenant's own (0: no limit for it).
 
@@ -47,13 +50,14 @@ class TokenBucket:
         self.tokens = float(limit.burst)
         self.updated = now
 
-    def take(self, now: float) -> float:
-        """Take a token: 0.0 if there was one, else the seconds until one is back (nothing taken)."""
+    def take(self, now: float, cost: int = 1) -> float:
+        """Take ``cost`` tokens (at most the burst): 0.0 if there were as many, else the seconds
+        until they are back (nothing taken)."""
         self._refill(now)
-        if self.tokens >= 1:
-            self.tokens -= 1
+        if self.tokens >= cost:
+            self.tokens -= cost
             return 0.0
-        return (1 - self.tokens) / self.limit.rate
+        return (cost - self.tokens) / self.limit.rate
 
     def _refill(self, now: float) -> None:
         elapsed = max(0.0, now - self.updated)
@@ -80,28 +84,36 @@ class TenantRateLimits:
     def limit_of(self, tenant: str) -> RateLimit | None:
         return self.per_tenant[tenant] if tenant in self.per_tenant else self.default
 
-    def take(self, tenant: str, now: float) -> float:
-        """Take a token from ``tenant``'s bucket: 0.0 if admitted, else the seconds to wait."""
+    def take(self, tenant: str, now: float, cost: int = 1) -> float:
+        """Take ``cost`` tokens from ``tenant``'s bucket: 0.0 if admitted, else the seconds to
+        wait (``math.inf``: more than its burst, never)."""
         limit = self.limit_of(tenant)
         if limit is None:
             return 0.0
+        if cost > limit.burst:
+            return math.inf
         bucket = self._buckets.get(tenant)
         if bucket is None:
             bucket = self._buckets[tenant] = TokenBucket(limit, now)
-        return bucket.take(now)
+        return bucket.take(now, cost)
 
-    def admit(self, tenant: str) -> None:
-        """Admit one request of ``tenant`` or raise the 429 it gets."""
+    def admit(self, tenant: str, cost: int = 1) -> None:
+        """Admit a request of ``tenant`` that costs ``cost`` tokens (its prompts) or raise the
+        429 it gets."""
         if not self.enabled:
             return
-        wait = self.take(tenant, self.clock())
+        wait = self.take(tenant, self.clock(), cost)
         if wait > 0:
             self.on_limited(tenant)
-            raise rate_limited(self.limit_of(tenant), wait)
+            raise rate_limited(self.limit_of(tenant), wait, cost)
 
 
-def rate_limited(limit: RateLimit, wait_seconds: float) -> APIError:
+def rate_limited(limit: RateLimit, wait_seconds: float, cost: int = 1) -> APIError:
+    if wait_seconds == math.inf:
+        return APIError(429, f"this request has {cost} prompts, each counted against the rate limit, but this API "
+                             f"key's tenant may send at most {limit.burst} at once; split it into smaller requests",
+                        param="prompt", code="rate_limit_exceeded")
     retry_after = max(1, math.ceil(wait_seconds))
-    return APIError(429, f"rate limit exceeded: {limit.rate:g} requests/s, burst {limit.burst}, for this "
+    return APIError(429, f"rate limit exceeded: {limit.rate:g} prompts/s, burst {limit.burst}, for this "
                          f"API key's tenant; retry after {retry_after} s",
                     code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})

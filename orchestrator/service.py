@@ -64,6 +64,7 @@ class Job:
     cache_salt: str
     stop: list[str] = field(default_factory=list)
     policy: str | None = None  # None: the orchestrator's configured policy
+    tenant: str = "anonymous"  # whose request: its decision records are readable by that tenant only
     response_id: str = ""
     choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -176,7 +177,8 @@ class CompletionService:
         chosen = decision.chosen
         stored = self.index.stored_prefix(chosen.source_worker or chosen.prefilling_worker, block_hashes)
         record = DecisionRecord.from_decision(decision, job.response_id, job.choice_index, job.request_id,
-                                              len(job.prompt_token_ids), block_size, stored * block_size)
+                                              len(job.prompt_token_ids), block_size, stored * block_size,
+                                              job.tenant)
         self.decisions.add(record)
         return decision, record
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
 
@@ -58,7 +59,16 @@ class OrchestratorSettings:
                                          "never generate), with exponential backoff and jitter")
     rpc_retry_base_seconds: float = setting(0.1, "backoff before the second attempt; doubling up to 2 s, "
                                                  "minus up to half at random")
-    max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413")
+    max_request_bytes: int = setting(8 * 2**20, "larger request bodies get 413, whether declared by "
+                                                "Content-Length or sent chunked (refused as soon as the limit "
+                                                "is passed)")
+    max_prompts_per_request: int = setting(16, "most prompts one /v1/completions request may carry (400 beyond); "
+                                               "each is counted against its tenant's rate limit")
+    max_stop_sequences: int = setting(4, "most stop strings a request may give (400 beyond; OpenAI's limit)")
+    max_stop_length: int = setting(256, "longest stop string in characters (400 beyond)")
+    tokenize_in_thread_chars: int = setting(4096, "prompts of at least this many characters in a request are "
+                                                   "tokenized on a worker thread, so a large body does not stall "
+                                                   "the event loop that streams every other request")
     cluster_keys: str = setting("", "the cluster's key folder (`kvroute keys init DIR`): the registry and every "
                                     "ZeroMQ socket are authenticated and encrypted with it; `kvroute serve` "
                                     "makes one for its run when none is given")
@@ -67,16 +77,31 @@ class OrchestratorSettings:
     transfer_encryption: str = setting("on", "on: KV bytes under CURVE too; off: in clear, and transfer endpoints "
                                              "open to any peer, only on fabrics nobody else can reach; alike on "
                                              "every process of the cluster (docs/security.md)")
-    api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant and scope; empty: no keys")
-    tenant_rate_limit: float = setting(0.0, "completion requests per second each tenant may send (a token bucket "
-                                            "per tenant; over it: 429 and the seconds to wait); a key's rate_limit in "
-                                            "the key file overrides it for its tenant; 0: no limit")
-    tenant_burst: int = setting(0, "requests a tenant may send at once (the bucket's size); 0: "
+    api_keys: str = setting("", "YAML/JSON file mapping API keys to a tenant, scope and role (admin: true); "
+                                "empty: no keys")
+    allow_unauthenticated: bool = setting(False, "serve without api_keys on a host other than loopback (every "
+                                                 "client is then an admin); without it such a start is refused")
+    admin_host: str = setting("127.0.0.1", "interface of the separate admin listener (only with admin_port)")
+    admin_port: int = setting(0, "port of a separate listener for /admin/* and /metrics, which the API port "
+                                 "then no longer serves; 0: both on the API port")
+    tenant_rate_limit: float = setting(0.0, "completion prompts per second each tenant may send (a token bucket "
+                                            "per tenant; a chat request is one prompt, a /v1/completions request "
+                                            "one per prompt; over it: 429 and the seconds to wait); a key's "
+                                            "rate_limit in the key file overrides it for its tenant; 0: no limit")
+    tenant_burst: int = setting(0, "prompts a tenant may send at once (the bucket's size); 0: "
                                    "tenant_rate_limit rounded up, at least 1")
-    keep_alive_seconds: float = setting(75.0, "seconds an idle HTTP keep-alive connection stays open; above "
+    keep_alive_seconds: float = setting(15.0, "seconds an idle HTTP keep-alive connection stays open; above "
                                               "the clients' own expiry (httpx, so the openai package: 5 s), "
                                               "so that a client never sends on a connection the server is "
-                                              "closing")
+                                              "closing, and short enough that idle clients do not hold "
+                                              "connections (raise it above a load balancer's idle timeout)")
+    max_connections: int = setting(1024, "open HTTP connections plus running requests per listener; past it "
+                                         "a new request gets 503 (uvicorn's limit_concurrency)")
+    header_timeout_seconds: float = setting(10.0, "a connection that has not sent a whole request head (request "
+                                                  "line and headers) this long after it opened, or after its "
+                                                  "request's first byte, is closed")
+    max_header_bytes: int = setting(65536, "largest request head (request line and headers); beyond it the "
+                                           "request gets 431 and the connection is closed")
     log_level: str = setting("info", "log level: debug, info, warning, error")
     access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
                                       "already gets one on kvroute.decisions")
@@ -95,20 +120,42 @@ class OrchestratorSettings:
             raise ValueError("tenant_rate_limit and tenant_burst must be finite and not negative")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if not 0 < self.keep_alive_seconds < math.inf:
-            raise ValueError("keep_alive_seconds must be positive and finite")
+        if not (0 < self.keep_alive_seconds < math.inf and 0 < self.header_timeout_seconds < math.inf):
+            raise ValueError("keep_alive_seconds and header_timeout_seconds must be positive and finite")
+        if min(self.max_request_bytes, self.max_prompts_per_request, self.max_stop_sequences, self.max_stop_length,
+               self.max_connections, self.max_header_bytes) < 1 or self.tokenize_in_thread_chars < 0:
+            raise ValueError("max_request_bytes, max_prompts_per_request, max_stop_sequences, max_stop_length, "
+                             "max_connections and max_header_bytes must be at least 1, tokenize_in_thread_chars "
+                             "not negative")
+        self._check_exposure()
         if not (0 < self.worker_timeout_seconds < math.inf and 0 <= self.queue_wait_limit_seconds < math.inf):
             raise ValueError("worker_timeout_seconds must be positive and queue_wait_limit_seconds not negative, "
                              "both finite")
+
+    def _check_exposure(self) -> None:
+        """Without keys every client is an admin: only loopback may be that open unless asked."""
+        exposed = [host for host in (self.host, self.admin_host if self.admin_port else self.host)
+                   if not is_loopback(host)]
+        if exposed and not self.api_keys and not self.allow_unauthenticated:
+            raise ValueError(f"refusing to serve on {exposed[0]} without --api-keys: anyone who can reach it could "
+                             f"use and administer the cluster; give --api-keys FILE, or --allow-unauthenticated "
+                             f"on a network you trust")
+
+    @property
+    def separate_admin_listener(self) -> bool:
+        return self.admin_port != 0
 
     def pending_settings(self) -> PendingSettings:
         """Claims on blocks a dispatched request will store live as long as it may wait."""
         return PendingSettings(max_age_seconds=self.queue_wait_limit_seconds + self.worker_timeout_seconds)
 
-    def http_server_options(self) -> dict:
-        """uvicorn's options for the OpenAI-compatible API."""
-        return {"host": self.host, "port": self.port, "loop": "uvloop", "log_level": self.log_level,
-                "access_log": self.access_log, "timeout_keep_alive": self.keep_alive_seconds}
+    def http_server_options(self, admin: bool = False) -> dict:
+        """uvicorn's options for the OpenAI-compatible API (``admin``: for the separate admin
+        listener). The request-head limits are applied by ``orchestrator.http_server``."""
+        host, port = (self.admin_host, self.admin_port) if admin else (self.host, self.port)
+        return {"host": host, "port": port, "loop": "uvloop", "log_level": self.log_level,
+                "access_log": self.access_log, "timeout_keep_alive": self.keep_alive_seconds,
+                "limit_concurrency": self.max_connections}
 
     def planner_settings(self) -> PlannerSettings:
         return PlannerSettings(gap_bound_seconds=self.gap_bound_seconds, tie_band=self.tie_band, top_k=self.top_k,
@@ -135,3 +182,13 @@ class OrchestratorSettings:
     @property
     def registry_address(self) -> str:
         return f"tcp://{self.registry_host}:{self.registry_port}"
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address; any other name counts as exposed, as it may resolve anywhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -122,9 +122,10 @@ class ReplayServer:
 
     def _post_reset(self, warn: Warn) -> dict:
         for attempt in range(1, RESET_ATTEMPTS + 1):
-            reply = self._request("POST", "/admin/reset-cache")
+            # JSON, empty: kvroute refuses a state-changing admin request that a cross-site form could send.
+            reply = self._request("POST", "/admin/reset-cache", json={})
             if reply.status_code in (403, 404, 405):
-                warn(f"the server does not allow cache resets ({reply.status_code}); "
+                warn(f"the server does not allow cache resets ({reply.status_code}; kvroute needs an admin key); "
                      "this policy starts with whatever the caches hold")
                 return {"reset": False, "supported": False, "attempts": attempt}
             if reply.status_code == 200 and _json(reply).get("reset"):

@@ -25,8 +25,9 @@ from testing.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 AUDIT_KEY = "sk-audit-Qx7Lm2Vz9Rt"  # distinctive, so that finding it in a log means it leaked
+ADMIN_KEY = "sk-ops-admin"  # /admin routes need an admin key; tenants' keys get 403 there
 KEYS = {"sk-tenant-a": {"tenant": "team-a"}, "sk-tenant-b": {"tenant": "team-b"},
-        AUDIT_KEY: {"tenant": "team-audit"}}
+        AUDIT_KEY: {"tenant": "team-audit"}, ADMIN_KEY: {"tenant": "ops", "admin": True}}
 SHARED = "You are the assistant of the kvroute repository. Repository map follows. " + " ".join(
     f"src/module_{i}.py defines class Component{i} and function handle_{i}." for i in range(60))
 
@@ -62,9 +63,9 @@ def decision(stack: Stack, key: str, response_id: str) -> dict:
     return reply.json()["data"][0]
 
 
-def wait_indexed(stack: Stack, key: str, minimum_blocks: int, timeout: float = 10) -> None:
+def wait_indexed(stack: Stack, minimum_blocks: int, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
-    headers = {"Authorization": f"Bearer {key}"}
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     while sum(w["index_blocks"] for w in stack.workers(headers)) < minimum_blocks:
         assert time.monotonic() < deadline, "KV events never reached the index"
         time.sleep(0.2)
@@ -79,11 +80,11 @@ def test_api_keys_are_required(stack):
 
 
 def test_warm_prefix_is_reused_and_explained(stack):
-    reset = httpx.post(stack.url + "/admin/reset-cache", headers={"Authorization": "Bearer sk-tenant-a"})
+    reset = httpx.post(stack.url + "/admin/reset-cache", json={}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert reset.status_code == 200, reset.text
     first = ask(stack, "sk-tenant-a", "Which module defines Component7?")
     assert first["usage"]["prompt_tokens"] > 3 * 128
-    wait_indexed(stack, "sk-tenant-a", minimum_blocks=3)
+    wait_indexed(stack, minimum_blocks=3)
 
     second = ask(stack, "sk-tenant-a", "Which function does module 12 define?")
     record = decision(stack, "sk-tenant-a", second["id"])
@@ -95,7 +96,7 @@ def test_warm_prefix_is_reused_and_explained(stack):
 
 def test_other_tenant_matches_nothing(stack):
     ask(stack, "sk-tenant-a", "Which module defines Component3?")
-    wait_indexed(stack, "sk-tenant-a", minimum_blocks=3)
+    wait_indexed(stack, minimum_blocks=3)
     other = ask(stack, "sk-tenant-b", "Which module defines Component3?")
     record = decision(stack, "sk-tenant-b", other["id"])
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

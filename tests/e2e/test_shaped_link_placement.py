@@ -101,7 +101,7 @@ def decision(stack: Stack, response_id: str) -> dict:
 
 def reset_decode_cache(stack: Stack, timeout: float = 15) -> None:
     """Empty the decode worker's cache only; the prefill worker keeps the prefix."""
-    reply = httpx.post(stack.url + "/admin/reset-cache", params={"role": "decode"}, timeout=30)
+    reply = httpx.post(stack.url + "/admin/reset-cache", params={"role": "decode"}, json={}, timeout=30)
     assert reply.status_code == 200 and reply.json()["reset"], reply.text
     assert [w["worker_id"] for w in reply.json()["workers"]] == [worker_of(stack, "decode")["worker_id"]]
     deadline = time.monotonic() + timeout
@@ -167,5 +167,5 @@ def test_a_slow_link_is_learned_and_the_faster_path_taken(stack, client):
 
 
 def test_a_reset_of_an_unknown_role_is_refused(stack):
-    reply = httpx.post(stack.url + "/admin/reset-cache", params={"role": "gpu"}, timeout=10)
+    reply = httpx.post(stack.url + "/admin/reset-cache", params={"role": "gpu"}, json={}, timeout=10)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_role"

@@ -93,14 +93,15 @@ def test_precedence(tmp_path, file_port, env_port, flag_port, expected, suffix):
 
 def test_each_source_contributes_its_own_fields(tmp_path):
     path = write(tmp_path, "c.yaml", {"host": "0.0.0.0", "port": 9000, "policy": "round_robin",
-                                      "log_level": "debug"})
+                                      "log_level": "debug", "allow_unauthenticated": True})
     args = parse(OrchestratorSettings, ["--config", str(path), "--policy", "least_loaded",
                                         "--heartbeat-timeout-seconds", "2.5"])
     settings = config.load(OrchestratorSettings, args, environ={"KVROUTE_PORT": "9100",
                                                                 "KVROUTE_LOG_LEVEL": "warning",
                                                                 "KVROUTE_MAX_MODEL_LEN": "4096"})
     assert settings == dataclasses.replace(OrchestratorSettings(), host="0.0.0.0", port=9100, policy="least_loaded",
-                                           log_level="warning", max_model_len=4096, heartbeat_timeout_seconds=2.5)
+                                           log_level="warning", max_model_len=4096, heartbeat_timeout_seconds=2.5,
+                                           allow_unauthenticated=True)
 
 
 def test_environment_defaults_to_os_environ(monkeypatch):
@@ -158,11 +159,11 @@ def test_only_known_takes_just_its_own_keys(tmp_path):
                                           "something_else": True})
     parser = parser_for(OrchestratorSettings, PoolSettings)
     args = parser.parse_args(["--config", str(path), "--cores-per-engine", "4", "--port", "8200"])
-    environ = {"KVROUTE_DTYPE": "bfloat16", "KVROUTE_HOST": "0.0.0.0"}
+    environ = {"KVROUTE_DTYPE": "bfloat16", "KVROUTE_HOST": "0.0.0.0", "KVROUTE_API_KEYS": "keys.yaml"}
     orchestrator = config.load(OrchestratorSettings, args, environ=environ, only_known=True)
     pool = config.load(PoolSettings, args, environ=environ, only_known=True)
     assert orchestrator == dataclasses.replace(OrchestratorSettings(), port=8200, policy="round_robin",
-                                               host="0.0.0.0")
+                                               host="0.0.0.0", api_keys="keys.yaml")
     assert pool == PoolSettings(topology="2u", cores_per_engine=4, kv_cache_gib=0.5, dtype="bfloat16")
     # Without only_known the same file is refused.
     with pytest.raises(ConfigError, match="unknown settings"):
@@ -359,7 +360,7 @@ def test_real_cli_parser_builds():
 
 def test_the_http_server_keeps_idle_connections_past_the_clients_expiry():
     """httpx, so the openai package, reuses a connection idle for up to 5 s."""
-    assert OrchestratorSettings().http_server_options()["timeout_keep_alive"] == 75.0
+    assert OrchestratorSettings().http_server_options()["timeout_keep_alive"] == 15.0
     assert OrchestratorSettings(keep_alive_seconds=10).http_server_options()["timeout_keep_alive"] == 10
     for bad in (0, -1, float("inf")):
         with pytest.raises(ValueError, match="keep_alive_seconds"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from orchestrator.decisions import DecisionLog, DecisionRecord
 
 
-def record(response_id: str, request_id: str, choice_index: int = 0) -> DecisionRecord:
+def record(response_id: str, request_id: str, choice_index: int = 0, tenant: str = "anonymous") -> DecisionRecord:
     return DecisionRecord(response_id=response_id, choice_index=choice_index, request_id=request_id,
                           policy="cache_aware", prompt_tokens=300, block_size=128, predicted_reused_tokens=0,
-                          reason="test", chosen=None, alternatives=[])
+                          reason="test", chosen=None, alternatives=[], tenant=tenant)
 
 
 def test_a_moved_request_keeps_the_record_of_every_placement_in_order():
@@ -36,3 +36,16 @@ def test_the_oldest_records_age_out_past_capacity():
         log.add(record(f"chatcmpl-{number}", f"req-{number}"))
     assert log.by_response("chatcmpl-0") == [] and log.by_response("chatcmpl-1") == []
     assert [r.response_id for r in log.recent(10)] == ["chatcmpl-4", "chatcmpl-3", "chatcmpl-2"]
+
+
+def test_a_tenant_reads_and_lists_its_own_records_only():
+    log = DecisionLog()
+    for number in range(6):
+        log.add(record(f"cmpl-{number}", f"req-{number}", tenant="team-a" if number % 2 else "team-b"))
+    assert [r.response_id for r in log.recent(2, tenant="team-a")] == ["cmpl-5", "cmpl-3"]
+    assert [r.response_id for r in log.recent(10, tenant="team-b")] == ["cmpl-4", "cmpl-2", "cmpl-0"]
+    assert log.recent(10, tenant="team-c") == []
+    assert log.by_response("cmpl-1", tenant="team-b") == [] and log.by_response("cmpl-1", tenant="team-a")
+    # No tenant (an admin): everyone's.
+    assert [r.response_id for r in log.recent(3)] == ["cmpl-5", "cmpl-4", "cmpl-3"]
+    assert log.by_response("cmpl-1")[0].to_dict()["tenant"] == "team-a"

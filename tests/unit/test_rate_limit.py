@@ -100,6 +100,22 @@ def test_admit_raises_429_with_retry_after_rounded_up_and_counts():
     assert limited == ["team-a", "team-a"]
 
 
+def test_a_request_takes_a_token_per_prompt():
+    clock, limited = FakeClock(), []
+    limits = TenantRateLimits(RateLimit(rate=2, burst=16), clock=clock, on_limited=limited.append)
+    limits.admit("team-a", cost=16)
+    with pytest.raises(APIError) as refused:
+        limits.admit("team-a", cost=3)
+    assert refused.value.headers == {"Retry-After": "2"}  # 3 tokens at 2/s: 1.5 s, rounded up
+    clock.now += 1.0
+    limits.admit("team-a", cost=2)  # the refusal took nothing
+    with pytest.raises(APIError) as never:
+        limits.admit("team-a", cost=17)  # more than the bucket holds: no wait would help
+    assert never.value.status == 429 and "Retry-After" not in never.value.headers
+    assert "17 prompts" in never.value.message and "at most 16" in never.value.message
+    assert limited == ["team-a", "team-a"]
+
+
 def test_admit_without_limits_never_reads_the_clock():
     def clock():
         raise AssertionError("read the clock")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from foundation.model_prep import resolve_model
-from orchestrator.tokenization import PromptError, TextCodec, TextStream
+from orchestrator.tokenization import PromptError, TextCodec, TextStream, partial_stop
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +80,10 @@ def test_stop_inside_one_token(codec):
     # " World" is one token: the text before the stop is released, the stop is not.
     assert stream.push(ids_of(codec, " World")) == " "
     assert stream.stopped
-    assert stream.text == "Hello "
+    assert stream.pending == ""
     # Further tokens and finish() add nothing.
     assert stream.push(ids_of(codec, ", how are you?")) == ""
     assert stream.finish() == ""
-    assert stream.text == "Hello "
 
 
 def test_possible_stop_prefix_is_held_back_until_decided_as_stop(codec):
@@ -96,7 +95,7 @@ def test_possible_stop_prefix_is_held_back_until_decided_as_stop(codec):
     assert not stream.stopped
     assert stream.push(ids_of(codec, "ld")) == ""
     assert stream.stopped
-    assert stream.text == "Hello "
+    assert stream.finish() == ""
 
 
 def test_possible_stop_prefix_is_released_once_decided_not_a_stop(codec):
@@ -182,12 +181,36 @@ def test_no_stop_prefix_ever_released_early(codec):
         released += stream.push([token])
         assert final.startswith(released)
         # Whatever is held back is exactly the longest tail that could still start "<END>".
-        held = stream.text[len(released):]
-        could_start_stop = max((k for k in range(1, len(stop)) if stream.text.endswith(stop[:k])), default=0)
-        assert len(held) == (0 if stream.stopped else could_start_stop)
+        text = released + stream.pending
+        could_start_stop = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        assert len(stream.pending) == (0 if stream.stopped else could_start_stop)
     released += stream.finish()
     assert released == final
     assert stream.stopped
+
+
+def test_only_the_unreleased_text_is_kept_however_long_the_output(codec):
+    """The stop check looks at new text plus the longest stop, not the whole output: four
+    stop strings of 256 characters over 20,000 tokens keep under 256 characters + a piece."""
+    stops = ["x" * 255 + "!", "y" * 256, "ab" * 128, "<" + "z" * 255]
+    token_ids = ids_of(codec, "ab xx yy <zz " * 50)
+    stream = codec.text_stream(stops)
+    released, longest_pending = "", 0
+    for _ in range(40):
+        for token in token_ids:
+            released += stream.push([token])
+            longest_pending = max(longest_pending, len(stream.pending))
+    assert not stream.stopped and released + stream.finish() == "ab xx yy <zz " * 50 * 40
+    assert longest_pending < 256 + 16
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("hello wor", "world", 3), ("hello", "world", 0), ("aaaa", "aaab", 3), ("abab", "abac", 2),
+    ("xab", "abab", 2), ("a", "a", 0), ("", "ab", 0), ("zzab", "abc", 2), ("abcab", "abcabd", 5),
+])
+def test_partial_stop_is_the_longest_suffix_that_starts_a_stop(text, stop, expected):
+    assert partial_stop(text, stop) == expected
+    assert expected == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
 def test_text_without_stop_passes_through(codec):
