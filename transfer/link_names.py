@@ -1,7 +1,21 @@
-"""The names ``--transfer-link`` accepts, importable without torch or ZeroMQ."""
+"""The values ``--transfer-link`` and ``--transfer-checksum`` accept, importable without
+torch or ZeroMQ."""
 
 ENDPOINT = "endpoint"  # no link: the layers come back on the connection that asked for them
 LINK_CHOICES = (ENDPOINT, "auto", "zmq-tcp", "zmq-ipc", "gloo", "nccl")
+
+
+# Whether consumers ask for a checksum of every pulled frame (transfer.transports.checksums):
+# on by default, since it costs under 5% of a pull's time (docs/security.md, "Integrity of moved KV").
+CHECKSUM_CHOICES = ("on", "off")
+DEFAULT_TRANSFER_CHECKSUM = "on"
+
+
+def transfer_checksum_on(value: str) -> bool:
+    """``--transfer-checksum``'s value as a flag; raises ValueError on anything but on/off."""
+    if value not in CHECKSUM_CHOICES:
+        raise ValueError(f"transfer_checksum must be one of {list(CHECKSUM_CHOICES)}, got {value!r}")
+    return value == "on"
 
 
 def check_transfer_link(value: str) -> None:

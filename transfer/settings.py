@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from transfer.link_control import transport_settings
-from transfer.link_names import ENDPOINT, check_transfer_link
+from transfer.link_names import DEFAULT_TRANSFER_CHECKSUM, ENDPOINT, check_transfer_link, transfer_checksum_on
 from transfer.transports.settings import AUTO, TransportSettings
 
 
@@ -43,6 +43,10 @@ class ConnectorSettings:
     # A consumer's pulled prompt blocks go first when its cache must evict (see
     # transfer.connector_scheduler); off: vLLM's plain LRU order.
     evict_pulled_first: bool = True
+    # A consumer asks for an xxh3 digest of every pulled frame and checks it before the
+    # frame reaches its cache (transfer.transports.checksums); a mismatch fails the pull,
+    # and the request is recomputed.
+    transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:

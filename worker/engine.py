@@ -38,6 +38,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "transfer_link": settings.transfer_link,
             "shared_copies": settings.shared_copies,
             "evict_pulled_first": settings.evict_pulled_first,
+            "transfer_checksum": settings.transfer_checksum,
         },
     )
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
 from transfer.affinity import parse_cpus
-from transfer.link_names import ENDPOINT, check_transfer_link
+from transfer.link_names import DEFAULT_TRANSFER_CHECKSUM, ENDPOINT, check_transfer_link, transfer_checksum_on
 
 DECODE_LONG_PREFILL_TOKENS = 256
 PREFILL_LONG_PREFILL_TOKENS = 256
@@ -67,6 +67,8 @@ class WorkerSettings:
     shared_copies: bool = True
     # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
     evict_pulled_first: bool = True
+    # A decode worker checks an xxh3 digest of every pulled frame before it stores it (transfer.pull_check).
+    transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
