@@ -38,6 +38,9 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     if not settings.model:
         raise ValueError("create_app needs a model folder or hub id (foundation.model_prep.resolve_model)")
     model_path = settings.model
+    codec = TextCodec(model_path)
+    # After the codec: a hub model's tokenizer is downloaded by then, so the fingerprint
+    # covers the revision the cache resolved (foundation.model_fingerprint).
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds),
@@ -47,7 +50,7 @@ def create_app(settings: OrchestratorSettings) -> FastAPI:
     index_sync = IndexSync(index)
     fleet.listeners += [index_sync, StartupCalibration(calibration)]
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
-    service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
+    service = CompletionService(fleet, codec, policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds, settings.admission_wait_seconds,
                                 settings.max_attempts, settings.queue_wait_limit_seconds)

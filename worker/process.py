@@ -58,6 +58,9 @@ class Worker:
     async def run(self) -> None:
         signals = StopSignals()
         self.engine = start_engine(self.settings, self.stats)
+        # Again now that the engine has the model: a hub model is downloaded by now, and its
+        # fingerprint covers the revision it resolved to (foundation.model_fingerprint).
+        self.fingerprint = model_fingerprint(self.settings.model)
         try:
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.prefill_probe = await probe_prefill(self.engine, self.settings.probe_tokens)

@@ -89,7 +89,8 @@ class Phases:
                      receiver: PairEnd, rate: str | None = None) -> None:
         self.console.rule(f"transfers over {name}")
         plan = PairPlan(backends=backends, frame_sizes=tuple(self.kv.frame_bytes(n) for n in lengths),
-                        num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver)
+                        num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver,
+                        checksum=self.settings.checksum)
         link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
         self.results["links"].append(link)
         run_pair(plan, on_row=lambda row: self._log_transfer(link, row))
@@ -99,7 +100,9 @@ class Phases:
         tokens = row["bytes"] // self.kv.bytes_per_token
         self.console.log(f"{link['name']} {row['backend']} {tokens} tokens ({row['bytes'] / 1e6:.1f} MB): "
                          f"{row['backend_seconds'] * 1e3:.1f} ms, {row['baseline']} {row['raw_seconds'] * 1e3:.1f} ms, "
-                         f"ratio {row['ratio']:.2f}")
+                         f"ratio {row['ratio']:.2f}"
+                         + (f", with checksums {row['checksum_seconds'] * 1e3:.1f} ms "
+                            f"(on/off ratio {row['checksum_ratio']:.2f})" if "checksum_seconds" in row else ""))
 
     def measure_shaped_links(self) -> None:
         reason = shaping_available()
