@@ -6,7 +6,7 @@ LINK_CHOICES = (ENDPOINT, "auto", "zmq-tcp", "zmq-ipc", "gloo", "nccl")
 
 
 # Whether consumers ask for a checksum of every pulled frame (transfer.transports.checksums):
-# off by default, since it lengthened loopback transfers by 10-45% in `kvroute bench transfer`
+# off by default, since it lengthened loopback transfers by 10-90% in `kvroute bench transfer`
 # (docs/security.md, "Integrity of moved KV"), far above the 5% it may cost to be on.
 CHECKSUM_CHOICES = ("on", "off")
 DEFAULT_TRANSFER_CHECKSUM = "off"
