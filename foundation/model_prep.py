@@ -21,6 +21,8 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
+from foundation.cache_dir import default_cache_dir
+
 logger = logging.getLogger("kvroute.model_prep")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,12 +34,6 @@ STEPS = ("locate", "load", "convert", "write", "verify")
 
 class ModelPreparationError(RuntimeError):
     """The model folder is missing, incomplete, corrupted or cannot be built."""
-
-
-def default_cache_dir() -> Path:
-    """Where prepared models live; overridable so tests and containers can redirect it."""
-    env = os.environ.get("KVROUTE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvroute"
 
 
 def model_dir(cache_dir: Path | None = None) -> Path:

@@ -164,6 +164,10 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     staged_bytes: int = 0  # host bytes held (or being copied) for staged leases now
     links_opened: int = 0  # transport links this end accepted (producer) or opened (consumer)
     shared_pulls: int = 0  # pulls served (producer) or read (consumer) from a shared-memory copy
+    # Consumer: pulls refused because the producer's header disagreed with what was asked
+    # (layout, layers, blocks, positions, frame size), and pulls whose frame checksum failed.
+    pulls_refused: int = 0
+    checksum_failures: int = 0
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -288,6 +292,8 @@ class PullBlocks(_Message, tag="pull"):
     # The consumer's shared-memory host (``transfer.shared_copies.local_host``); a producer
     # on the same host may answer with a SharedCopyRef instead of frames. Empty: frames only.
     host: str = ""
+    # Ask for an xxh3 digest of every frame (``transfer.frame_checksums``), checked before it is stored.
+    checksum: bool = False
 
 
 class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
@@ -303,13 +309,21 @@ class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
 
 class PullHeader(_Message, tag="pull_header"):
     """Answer to PullBlocks; when ``ok``, ``num_layers`` data messages follow, unless
-    ``shared_copy`` is set: then the consumer reads the blocks from it and nothing follows."""
+    ``shared_copy`` is set: then the consumer reads the blocks from it and nothing follows.
+
+    The consumer checks every field against what it asked for (``transfer.pull_check``)
+    before anything reaches its cache: the producer's layout, the positions it serves, the
+    size of each layer's frame, and whether each frame comes with its checksum."""
 
     ok: bool
     error: str = ""
     num_blocks: int = 0
     num_layers: int = 0
     shared_copy: SharedCopyRef | None = None
+    layout: KVLayoutSpec | None = None
+    block_indices: list[int] = msgspec.field(default_factory=list)
+    frame_bytes: int = 0  # bytes of one layer's frame: the blocks times a layer's bytes per block
+    checksum: bool = False  # each frame is preceded by its digest (``transfer.frame_checksums``)
 
 
 class ReleaseLease(_Message, tag="release"):
@@ -383,6 +397,7 @@ class PullOverLink(_Message, tag="pull_link"):
     layout: KVLayoutSpec
     link_id: str
     transfer_id: int
+    checksum: bool = False  # as PullBlocks.checksum, for the transfer over the link
 
 
 Message = (

@@ -38,7 +38,7 @@ from kvroute.topology import (
 from orchestrator.app import create_apps
 from orchestrator.http_server import listeners, serve_all, stop_on_signals
 from orchestrator.settings import OrchestratorSettings
-from transfer.link_names import ENDPOINT, check_transfer_link
+from transfer.link_names import DEFAULT_TRANSFER_CHECKSUM, ENDPOINT, check_transfer_link, transfer_checksum_on
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger("kvroute.serve")
@@ -67,6 +67,9 @@ class PoolSettings:
     evict_pulled_first: bool = setting(True, "decode workers evict the prompts they pulled before the ones they "
                                              "prefilled themselves (the prefill worker most likely still holds "
                                              "them); off: vLLM's plain LRU order")
+    transfer_checksum: str = setting(DEFAULT_TRANSFER_CHECKSUM, "on: decode workers check an xxh3 checksum of "
+                                                                "every pulled frame before storing it, and "
+                                                                "recompute on a mismatch; off: no checksums")
     pull_timeout_seconds: float = setting(WorkerSettings.pull_timeout_seconds,
                                           "seconds a decode worker waits for a pull of KV before it recomputes "
                                           "the prompt itself")
@@ -84,6 +87,7 @@ class PoolSettings:
         if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
             raise ValueError("KV cache sizes must be positive")
         check_transfer_link(self.transfer_link)
+        transfer_checksum_on(self.transfer_checksum)
 
 
 def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, engine: Engine) -> list[str]:
@@ -92,7 +96,7 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get cores of their own, not all of them each.
             *(["--omp-threads-bind", engine.cores] if engine.cores else []),
-            "--pull-timeout-seconds", str(pool.pull_timeout_seconds),
+            "--pull-timeout-seconds", str(pool.pull_timeout_seconds), "--transfer-checksum", pool.transfer_checksum,
             *([] if pool.shared_copies else ["--no-shared-copies"]),
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
             *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),

@@ -61,6 +61,9 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
         raise ValueError("create_apps needs a model folder or hub id (foundation.model_prep.resolve_model)")
     api_keys = ApiKeys.from_file(settings.api_keys) if settings.api_keys else ApiKeys.disabled()  # fails fast
     model_path = settings.model
+    codec = TextCodec(model_path)
+    # After the codec: a hub model's tokenizer is downloaded by then, so the fingerprint
+    # covers the revision the cache resolved (foundation.model_fingerprint).
     fingerprint = model_fingerprint(model_path)
     orchestrator_id = f"orchestrator-{uuid.uuid4().hex[:8]}"
     fleet = Fleet(WorkerRegistry(fingerprint, settings.heartbeat_timeout_seconds, settings.max_workers),
@@ -70,7 +73,7 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
     index_sync = IndexSync(index)
     fleet.listeners += [index_sync, StartupCalibration(calibration)]
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
-    service = CompletionService(fleet, TextCodec(model_path), policies, settings.policy, metrics, index,
+    service = CompletionService(fleet, codec, policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds, settings.admission_wait_seconds,
                                 settings.max_attempts, settings.queue_wait_limit_seconds)

@@ -16,7 +16,9 @@ import zmq
 
 from foundation import wire
 from foundation.endpoint_client import Channel, ChannelPool, PullFailed, exchange
+from transfer.pull_check import CorruptFrame, check_pull_header
 from transfer.shared_copies import SharedCopyUnavailable, local_host
+from transfer.transports.checksums import ChecksumMismatch, check_frame
 
 logger = logging.getLogger("kvroute.transfer.client")
 
@@ -40,18 +42,21 @@ SharedCopyReader = Callable[[wire.SharedCopyRef], int]
 
 def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Sequence[int],
                 layout: wire.KVLayoutSpec, on_layer: LayerSink, deadline: float,
-                channels: ChannelPool | None = None, read_shared: SharedCopyReader | None = None) -> int:
+                channels: ChannelPool | None = None, read_shared: SharedCopyReader | None = None,
+                checksum: bool = False) -> int:
     """Pull the given lease positions; ``on_layer(layer, data)`` stores each layer.
 
     With ``read_shared``, a producer on this host may offer the lease's copy in shared
     memory instead, which ``read_shared`` reads; when it cannot, the layers are asked for
-    again as frames on the same connection.
+    again as frames on the same connection. With ``checksum``, every frame comes after
+    its digest and is checked before ``on_layer`` sees it.
 
     Returns the number of bytes received. Raises PullFailed on refusal, a short or
-    missing frame, or the deadline.
+    missing frame, or the deadline; PullRefused (nothing stored) when the producer's
+    header disagrees with the pull, CorruptFrame when a frame fails its checksum.
     """
     request = wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout,
-                              host=local_host() if read_shared is not None else "")
+                              host=local_host() if read_shared is not None else "", checksum=checksum)
     try:
         with exchange(context, source.address, deadline, channels) as channel:
             header = _request_pull(channel, request)
@@ -62,15 +67,24 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
                     logger.warning("reading the shared copy of %s failed (%s); pulling its layers as frames",
                                    source.address, error)
                     header = _request_pull(channel, msgspec.structs.replace(request, host=""))
-            expected = len(block_indices) * layout.bytes_per_block // layout.num_layers
             for layer in range(header.num_layers):
+                digest = channel.receive_frame().bytes if checksum else None
                 frame = channel.receive_frame()
-                if len(frame) != expected:
-                    raise PullFailed(f"layer {layer}: got {len(frame)} bytes, expected {expected}")
+                if len(frame) != header.frame_bytes:
+                    raise PullFailed(f"layer {layer}: got {len(frame)} bytes, expected {header.frame_bytes}")
+                if digest is not None:
+                    _check_digest(layer, frame, digest)
                 on_layer(layer, frame_as_tensor(frame))
-            return expected * header.num_layers
+            return header.frame_bytes * header.num_layers
     except wire.WireError as error:
         raise PullFailed(str(error)) from error
+
+
+def _check_digest(layer: int, frame: zmq.Frame, digest: bytes) -> None:
+    try:
+        check_frame(layer, frame.buffer, digest)
+    except ChecksumMismatch as error:
+        raise CorruptFrame(str(error)) from error
 
 
 def pull_exchange(context: zmq.Context, address: str, request: wire.PullOverLink, deadline: float,
@@ -86,8 +100,5 @@ def pull_exchange(context: zmq.Context, address: str, request: wire.PullOverLink
 
 def _request_pull(channel: Channel, request: wire.PullBlocks | wire.PullOverLink) -> wire.PullHeader:
     channel.send(request)
-    header = channel.receive_message()
-    if not isinstance(header, wire.PullHeader) or not header.ok:
-        raise PullFailed(f"producer refused the pull: {getattr(header, 'error', header)}")
-    return header
+    return check_pull_header(channel.receive_message(), request)
 

@@ -4,7 +4,8 @@ Runs as a daemon thread inside vLLM's model-worker process, next to the KV cache
 reads; a staged lease (see ``transfer.leases``) is served from its own host copy.
 Protocol over one ROUTER socket (client: a DEALER)::
 
-    PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order)
+    PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order);
+        with ``checksum``, each frame comes after its xxh3 digest (transfer.transports.checksums)
     PullBlocks from this host, staged lease ──▶ PullHeader(ok, shared_copy): the consumer
         reads the lease's copy itself (transfer.shared_copies); no frames follow
     OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
@@ -55,6 +56,7 @@ from transfer.pull_records import PullRecords
 from transfer.send_buffers import SendBufferPool, send_frame
 from transfer.shared_copies import local_host
 from transfer.transports.base import Sender
+from transfer.transports.checksums import frame_digest
 from transfer.transports.errors import TransportError
 from transfer.transports.links import open_sender
 from transfer.transports.settings import TransportSettings
@@ -254,14 +256,13 @@ class BlockServer:
                 return
         if self._offer_shared_copy(identity, request, lease):
             return
-        self._reply(identity, wire.PullHeader(ok=True, num_blocks=len(block_ids),
-                                              num_layers=self.cache.spec.num_layers))
+        self._reply(identity, self._accepted(request))
         if link is not None:
             self._send_over_link(link, request, lease, block_ids)
         elif lease.staged is not None:
-            self._send_staged(identity, lease.staged, request.block_indices)
+            self._send_staged(identity, lease.staged, request.block_indices, request.checksum)
         else:
-            self._send_layers(identity, block_ids)
+            self._send_layers(identity, block_ids, request.checksum)
         self.leases.mark_pulled(lease.handle)
 
     def _offer_shared_copy(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
@@ -270,11 +271,20 @@ class BlockServer:
                 and request.host == local_host()):
             return False
         count = len(request.block_indices)
-        self._reply(identity, wire.PullHeader(ok=True, num_blocks=count, num_layers=self.cache.spec.num_layers,
-                                              shared_copy=lease.shared.ref(len(lease.block_ids))))
+        self._reply(identity, self._accepted(request, shared_copy=lease.shared.ref(len(lease.block_ids))))
         self.counters.add(bytes_sent=count * self.cache.spec.bytes_per_block, blocks_sent=count, shared_pulls=1)
         self.leases.mark_pulled(lease.handle)
         return True
+
+    def _accepted(self, request: wire.PullBlocks | wire.PullOverLink,
+                  shared_copy: wire.SharedCopyRef | None = None) -> wire.PullHeader:
+        """The header that tells the consumer exactly what follows, for it to check
+        (``transfer.pull_check``) before it writes anything."""
+        spec, count = self.cache.spec, len(request.block_indices)
+        return wire.PullHeader(ok=True, num_blocks=count, num_layers=spec.num_layers, shared_copy=shared_copy,
+                               layout=spec, block_indices=list(request.block_indices),
+                               frame_bytes=count * self.cache.layer_bytes_per_block,
+                               checksum=request.checksum and shared_copy is None)
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks | wire.PullOverLink, leased: tuple[int, ...]) -> list[int]:
@@ -283,13 +293,13 @@ class BlockServer:
                 raise IndexError(f"block index {index} outside the lease's {len(leased)} blocks")
         return request.block_indices
 
-    def _send_layers(self, identity: bytes, block_ids: list[int]) -> None:
+    def _send_layers(self, identity: bytes, block_ids: list[int], checksum: bool) -> None:
         index = block_index_tensor(block_ids)
         nbytes = len(block_ids) * self.cache.layer_bytes_per_block
         for layer in range(self.cache.spec.num_layers):
             slot, buffer = self._buffers.acquire(nbytes)
             self.cache.gather_layer(layer, index, buffer)
-            self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
+            self._buffers.mark_sent(slot, send_frame(self._socket, self._prefix(identity, buffer, checksum), buffer))
         self.counters.add(bytes_sent=nbytes * self.cache.spec.num_layers, blocks_sent=len(block_ids))
 
     def _send_over_link(self, link: Sender, request: wire.PullOverLink, lease, block_ids: list[int]) -> None:
@@ -311,14 +321,15 @@ class BlockServer:
         frame_bytes = [len(block_ids) * cache.layer_bytes_per_block] * cache.spec.num_layers
         try:
             sent = link.send(frame_bytes, fill, time.monotonic() + LINK_SEND_SECONDS, request.transfer_id,
-                             frame_view)
+                             frame_view, checksummed=request.checksum)
         except TransportError as error:
             logger.warning("%s link to a consumer failed while sending; closed it (%s)", link.backend, error)
             self._links.pop(request.link_id, None)
             return
         self.counters.add(bytes_sent=sent, blocks_sent=len(block_ids))
 
-    def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int]) -> None:
+    def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int],
+                     checksum: bool) -> None:
         """Send from a staged lease. Its copies are never written again and live as long as
         any frame still references them, so a contiguous run of blocks goes out zero-copy
         as it lies; other selections are gathered into send buffers first."""
@@ -328,14 +339,19 @@ class BlockServer:
         for copy in staged:
             run = cache.run_of_copy(copy, first, count) if first is not None else None
             if run is not None:
-                send_frame(self._socket, [identity], run, track=False)
+                send_frame(self._socket, self._prefix(identity, run, checksum), run, track=False)
                 continue
             if positions is None:
                 positions = block_index_tensor(indices)
             slot, buffer = self._buffers.acquire(count * cache.layer_bytes_per_block)
             cache.select_from_copy(copy, positions, buffer)
-            self._buffers.mark_sent(slot, send_frame(self._socket, [identity], buffer))
+            self._buffers.mark_sent(slot, send_frame(self._socket, self._prefix(identity, buffer, checksum), buffer))
         self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(staged), blocks_sent=count)
+
+    @staticmethod
+    def _prefix(identity: bytes, frame: torch.Tensor, checksum: bool) -> list[bytes]:
+        """What goes before a frame: the consumer's identity, then the frame's digest if asked."""
+        return [identity, frame_digest(frame)] if checksum else [identity]
 
     def _refuse(self, identity: bytes, reason: str) -> None:
         self._reply(identity, wire.PullHeader(ok=False, error=reason))

@@ -6,7 +6,9 @@ budget allows, so the engine frees its blocks at once; see ``transfer.leases``),
 pulls of a consumer. Pulls run on a small thread pool and write only into blocks vLLM
 allocated for them; vLLM does not read those blocks until the pull is reported finished.
 A failed pull is reported as failed, and vLLM (``kv_load_failure_policy="recompute"``)
-computes the prompt locally instead.
+computes the prompt locally instead. That includes a pull whose producer answered with
+a header that disagrees with it (``transfer.pull_check``: refused before anything is
+written) and one whose frame failed its checksum (refused before that frame is stored).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
 from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.pull_check import CorruptFrame, PullRefused
 from transfer.pull_records import PullRecords
 from transfer.settings import ConnectorSettings
 from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
@@ -158,7 +161,8 @@ class ConnectorWorker:
         except Exception as error:  # any failure falls back to recompute, never a lost request
             logger.warning("pull for request %s failed (%s); recomputing locally", load.request_id, error)
             self._record(load, 0, started, ok=False)
-            self.counters.add(pulls_failed=1)
+            self.counters.add(pulls_failed=1, pulls_refused=int(isinstance(error, PullRefused)),
+                              checksum_failures=int(isinstance(error, CorruptFrame)))
             self._finish(load.request_id, failed=True)
             return
         self._finish(load.request_id, failed=False)  # the request runs on; the ack need not wait
@@ -179,10 +183,11 @@ class ConnectorWorker:
         store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
         if not self.settings.uses_links:
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
-                               self._channels, read_shared=self._shared_reader(load))
+                               self._channels, read_shared=self._shared_reader(load),
+                               checksum=self.settings.transfer_checksum)
         link = self._links.get(load.source.address)
         return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline,
-                              self._channels)
+                              self._channels, checksum=self.settings.transfer_checksum)
 
     def _shared_reader(self, load: LoadSpec):
         """Reads a producer's shared copy into this load's blocks, if this cache can take it."""

@@ -36,7 +36,9 @@ from foundation.zmq_auth import secure_client
 from transfer.block_client import LayerSink, pull_exchange
 from transfer.kv_layout import LayoutMismatch
 from transfer.link_names import ENDPOINT, LINK_CHOICES
+from transfer.pull_check import CorruptFrame
 from transfer.transports.base import Receiver
+from transfer.transports.checksums import ChecksumMismatch
 from transfer.transports.errors import LinkRefused, TransportError, TransportTimeout, seconds_left
 from transfer.transports.links import open_receiver
 from transfer.transports.settings import TransportSettings
@@ -129,8 +131,9 @@ def open_consumer_link(context: zmq.Context, address: str, layout: wire.KVLayout
 
 def pull_over_link(context: zmq.Context, source: wire.PullSource, block_indices: list[int],
                    layout: wire.KVLayoutSpec, link: ConsumerLink, on_layer: LayerSink, deadline: float,
-                   channels: ChannelPool | None = None) -> int:
-    """``block_client.pull_blocks`` with the layers over ``link``; raises PullFailed.
+                   channels: ChannelPool | None = None, checksum: bool = False) -> int:
+    """``block_client.pull_blocks`` with the layers over ``link``; raises PullFailed
+    (PullRefused, CorruptFrame: as ``pull_blocks``).
 
     Any failure closes the link, a refusal too: frames of a failed transfer may still be
     in flight, and a producer that no longer knows the link (it restarted, or closed it
@@ -138,13 +141,15 @@ def pull_over_link(context: zmq.Context, source: wire.PullSource, block_indices:
     with link.lock:
         transfer_id = link.next_transfer_id()
         request = wire.PullOverLink(handle=source.handle, block_indices=list(block_indices), layout=layout,
-                                    link_id=link.link_id, transfer_id=transfer_id)
-        frame_bytes = len(block_indices) * layout.bytes_per_block // layout.num_layers
+                                    link_id=link.link_id, transfer_id=transfer_id, checksum=checksum)
         try:
             header = pull_exchange(context, source.address, request, deadline, channels)
-            return link.receiver.receive([frame_bytes] * header.num_layers, on_layer, deadline, transfer_id)
+            return link.receiver.receive([header.frame_bytes] * header.num_layers, on_layer, deadline, transfer_id,
+                                         checksummed=checksum)
         except BaseException as error:
             link.close()
+            if isinstance(error, ChecksumMismatch):
+                raise CorruptFrame(f"{link.receiver.backend} transfer: {error}") from error
             if isinstance(error, TransportError):
                 raise PullFailed(f"{link.receiver.backend} transfer failed: {error}") from error
             raise

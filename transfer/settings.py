@@ -6,7 +6,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from transfer.link_control import transport_settings
-from transfer.link_names import ENDPOINT, check_transfer_link, parse_link_hosts
+from transfer.link_names import (
+    DEFAULT_TRANSFER_CHECKSUM,
+    ENDPOINT,
+    check_transfer_link,
+    parse_link_hosts,
+    transfer_checksum_on,
+)
 from transfer.transports.selection import HOSTED_AT_ONCE
 from transfer.transports.settings import AUTO, TransportSettings
 
@@ -58,6 +64,10 @@ class ConnectorSettings:
     cluster_keys: str = ""
     insecure_no_auth: bool = False
     transfer_encryption: bool = True
+    # A consumer asks for an xxh3 digest of every pulled frame and checks it before the
+    # frame reaches its cache (transfer.transports.checksums); a mismatch fails the pull,
+    # and the request is recomputed.
+    transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from foundation.zmq_auth import add_security_arguments
-from transfer.link_names import LINK_CHOICES
+from transfer.link_names import CHECKSUM_CHOICES, DEFAULT_TRANSFER_CHECKSUM, LINK_CHOICES, transfer_checksum_on
 from worker.settings import WorkerSettings
 
 
@@ -78,6 +78,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep pulled prompt blocks in vLLM's plain LRU order (default: a decode worker "
                              "evicts the prompts it pulled before the ones it prefilled itself, since the "
                              "prefill worker most likely still holds them)")
+    parser.add_argument("--transfer-checksum", default=DEFAULT_TRANSFER_CHECKSUM, choices=CHECKSUM_CHOICES,
+                        help="decode worker: ask for an xxh3 checksum of every pulled frame and check it before "
+                             "the frame reaches the KV cache; a mismatch fails the pull and the prompt is "
+                             "recomputed. Frames read from a shared copy on one host carry none "
+                             "(default: %(default)s)")
     add_security_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
@@ -102,7 +107,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         transfer_link=args.transfer_link, transfer_link_hosts=args.transfer_link_hosts,
         shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,
-        insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on")
+        insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on",
+        transfer_checksum=transfer_checksum_on(args.transfer_checksum))
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

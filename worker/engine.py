@@ -42,6 +42,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "cluster_keys": settings.cluster_keys,
             "insecure_no_auth": settings.insecure_no_auth,
             "transfer_encryption": settings.transfer_encryption,
+            "transfer_checksum": settings.transfer_checksum,
         },
     )
 

@@ -62,6 +62,9 @@ class Worker:
         relay = EventRelay(tcp(self.settings.bind_host, self.settings.kv_events_port)).start()
         self.settings = replace(self.settings, kv_events_local_address=relay.local_address)
         self.engine = start_engine(self.settings, self.stats)
+        # Again now that the engine has the model: a hub model is downloaded by now, and its
+        # fingerprint covers the revision it resolved to (foundation.model_fingerprint).
+        self.fingerprint = model_fingerprint(self.settings.model)
         try:
             self.layout = (await self._transfer_stats(attempts=50)).layout
             self.prefill_probe = await probe_prefill(self.engine, self.settings.probe_tokens)

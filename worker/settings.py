@@ -11,7 +11,13 @@ from foundation.heartbeat_checks import check_name
 from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
 from transfer.affinity import parse_cpus
-from transfer.link_names import ENDPOINT, check_transfer_link, parse_link_hosts
+from transfer.link_names import (
+    DEFAULT_TRANSFER_CHECKSUM,
+    ENDPOINT,
+    check_transfer_link,
+    parse_link_hosts,
+    transfer_checksum_on,
+)
 
 DECODE_LONG_PREFILL_TOKENS = 256
 PREFILL_LONG_PREFILL_TOKENS = 256
@@ -72,6 +78,8 @@ class WorkerSettings:
     shared_copies: bool = True
     # A decode worker's pulled prompt blocks go first when its cache must evict (transfer.connector_scheduler).
     evict_pulled_first: bool = True
+    # A decode worker checks an xxh3 digest of every pulled frame before it stores it (transfer.pull_check).
+    transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
     # Who may speak to this worker (foundation.zmq_auth): the cluster's key folder, or no
     # one checked at all with ``insecure_no_auth``; ``transfer_encryption`` off: KV bytes
     # travel in clear (trusted fabrics only).

@@ -49,6 +49,8 @@ class TransferBenchSettings:
     shaped_rates: tuple[str, ...] = setting(("1gbit", "100mbit"), "tc rates of the shaped links, comma-separated")
     shaped_max_seconds: float = setting(2.0, "on a shaped link, only prompt lengths whose KV crosses it at its "
                                              "rate within this many seconds")
+    checksum: bool = setting(True, "also time every transfer with per-frame xxh3 checksums, interleaved with "
+                                   "the plain ones (the cost of --transfer-checksum on)")
     model: str = setting("", "model folder or hub id (default: the project's SmolLM2-135M-Instruct)")
     dtype: str = setting("auto", "engine dtype; auto: what a worker picks on this machine")
     start_timeout: float = setting(900.0, "seconds to wait for the engine to start")

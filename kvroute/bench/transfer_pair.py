@@ -14,7 +14,9 @@ the backend's own transport (``transfer_raw_push``) or plain torch.distributed s
 Both start the same way, on the same command over the same pipe, and timing runs on the
 receiving side from that command to the last frame; one warm-up each, then the
 repetitions interleaved so drift hits both alike; medians are reported. Ratio = raw
-seconds / backend seconds.
+seconds / backend seconds. With ``PairPlan.checksum`` the link's transfers are also timed
+with per-frame checksums (``transfer.transports.checksums``), interleaved the same way:
+``checksum_ratio`` = seconds without / seconds with, so 0.95 is a 5% longer transfer.
 
 The command and control pipes are inherited file descriptors, so they work across
 network namespaces; only the payload crosses the (possibly shaped) link.
@@ -59,6 +61,7 @@ class PairPlan:
     reps: int = 5
     sender: PairEnd = field(default_factory=PairEnd)
     receiver: PairEnd = field(default_factory=PairEnd)
+    checksum: bool = False  # also time each backend with per-frame checksums
     # The links speak as a worker's do: under this key folder's CURVE keys, and encrypted
     # unless ``transfer_encryption`` is off (foundation.zmq_auth); "" : in clear.
     cluster_keys: str = ""
@@ -111,9 +114,10 @@ class Peer:
         self.senders[backend] = open_sender(self.control, stand_in_layout(num_frames), "cpu",
                                             time.monotonic() + DEADLINE_SECONDS, settings)
 
-    def _send(self, backend: str, frame_bytes: int, num_frames: int, transfer_id: int) -> None:
+    def _send(self, backend: str, frame_bytes: int, num_frames: int, transfer_id: int,
+              checksummed: bool = False) -> None:
         self.senders[backend].send([frame_bytes] * num_frames, self.fill_once,
-                                   time.monotonic() + DEADLINE_SECONDS, transfer_id)
+                                   time.monotonic() + DEADLINE_SECONDS, transfer_id, checksummed=checksummed)
 
     def _raw_zmq_open(self, backend: str, bind_address: str) -> str:
         self.raw_pushes[backend] = RawPush(bind_address)
@@ -210,13 +214,13 @@ class Measurement:
         self.answer()
         return seconds
 
-    def backend_seconds(self, backend: str, frame_bytes: int) -> float:
+    def backend_seconds(self, backend: str, frame_bytes: int, checksummed: bool = False) -> float:
         self.transfer_id += 1
         frames = [frame_bytes] * self.num_frames
-        return self._timed(("send", backend, frame_bytes, self.num_frames, self.transfer_id),
+        return self._timed(("send", backend, frame_bytes, self.num_frames, self.transfer_id, checksummed),
                            lambda: self.receivers[backend].receive(frames, lambda *_: None,
                                                                    time.monotonic() + DEADLINE_SECONDS,
-                                                                   self.transfer_id))
+                                                                   self.transfer_id, checksummed=checksummed))
 
     def raw_seconds(self, backend: str, frame_bytes: int) -> float:
         if backend.startswith("zmq"):
@@ -229,16 +233,19 @@ class Measurement:
                                                                     SENDER_RANK))
 
     def measure(self, backend: str, frame_bytes: int) -> dict:
-        self.backend_seconds(backend, frame_bytes), self.raw_seconds(backend, frame_bytes)  # warm-up
-        samples = {"backend": [], "raw": []}
+        timings = {"backend": lambda: self.backend_seconds(backend, frame_bytes),
+                   "raw": lambda: self.raw_seconds(backend, frame_bytes)}
+        if self.plan.checksum:
+            timings["checksum"] = lambda: self.backend_seconds(backend, frame_bytes, checksummed=True)
+        for timed in timings.values():  # warm-up
+            timed()
+        samples = {name: [] for name in timings}
+        order = list(timings)
         for rep in range(self.plan.reps):
-            # Each goes first in every other repetition: whatever the first leaves behind
-            # (a busy I/O thread, references still being released) slows both alike.
-            if rep % 2 == 0:
-                samples["backend"].append(self.backend_seconds(backend, frame_bytes))
-            samples["raw"].append(self.raw_seconds(backend, frame_bytes))
-            if rep % 2 == 1:
-                samples["backend"].append(self.backend_seconds(backend, frame_bytes))
+            # Each goes first in turn: whatever the first leaves behind (a busy I/O thread,
+            # references still being released) slows them all alike.
+            for name in order[rep % len(order):] + order[:rep % len(order)]:
+                samples[name].append(timings[name]())
         return summarise(backend, frame_bytes, self.num_frames, samples)
 
     def rows(self) -> Iterator[dict]:
@@ -257,11 +264,14 @@ def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str
     """One row: medians of the backend's and the raw baseline's samples, and their ratio."""
     medians = {name: statistics.median(values) for name, values in samples.items()}
     nbytes = frame_bytes * num_frames
-    return {"backend": backend, "baseline": RAW_BASELINE[backend], "bytes": nbytes,
-            "frame_bytes": frame_bytes, "num_frames": num_frames, "samples_seconds": samples,
-            "backend_seconds": medians["backend"], "raw_seconds": medians["raw"],
-            "backend_gb_per_s": nbytes / medians["backend"] / 1e9, "raw_gb_per_s": nbytes / medians["raw"] / 1e9,
-            "ratio": medians["raw"] / medians["backend"]}
+    row = {"backend": backend, "baseline": RAW_BASELINE[backend], "bytes": nbytes,
+           "frame_bytes": frame_bytes, "num_frames": num_frames, "samples_seconds": samples,
+           "backend_seconds": medians["backend"], "raw_seconds": medians["raw"],
+           "backend_gb_per_s": nbytes / medians["backend"] / 1e9, "raw_gb_per_s": nbytes / medians["raw"] / 1e9,
+           "ratio": medians["raw"] / medians["backend"]}
+    if "checksum" in medians:
+        row |= {"checksum_seconds": medians["checksum"], "checksum_ratio": medians["backend"] / medians["checksum"]}
+    return row
 
 
 def receiver_main(plan: PairPlan, commands, control, results) -> None:

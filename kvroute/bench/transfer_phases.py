@@ -101,7 +101,7 @@ class Phases:
         self.console.rule(f"transfers over {name}")
         plan = PairPlan(backends=backends, frame_sizes=tuple(self.kv.frame_bytes(n) for n in lengths),
                         num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver,
-                        cluster_keys=self.cluster_keys)
+                        cluster_keys=self.cluster_keys, checksum=self.settings.checksum)
         link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
         self.results["links"].append(link)
         run_pair(plan, on_row=lambda row: self._log_transfer(link, row))
@@ -111,7 +111,9 @@ class Phases:
         tokens = row["bytes"] // self.kv.bytes_per_token
         self.console.log(f"{link['name']} {row['backend']} {tokens} tokens ({row['bytes'] / 1e6:.1f} MB): "
                          f"{row['backend_seconds'] * 1e3:.1f} ms, {row['baseline']} {row['raw_seconds'] * 1e3:.1f} ms, "
-                         f"ratio {row['ratio']:.2f}")
+                         f"ratio {row['ratio']:.2f}"
+                         + (f", with checksums {row['checksum_seconds'] * 1e3:.1f} ms "
+                            f"(on/off ratio {row['checksum_ratio']:.2f})" if "checksum_seconds" in row else ""))
 
     def measure_encryption(self) -> None:
         """The zmq links with transfer encryption on, then off, against the same raw pyzmq."""

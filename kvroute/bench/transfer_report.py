@@ -30,6 +30,18 @@ def results_table(results: Mapping) -> Table:
     return table
 
 
+def checksum_table(results: Mapping) -> Table:
+    table = Table(title="per-frame checksums (medians; on/off ratio = seconds without / seconds with)")
+    for column in ("link", "tokens", "MB", "backend", "off ms", "on ms", "on/off ratio", "cost"):
+        table.add_column(column, justify="left" if column in ("link", "backend") else "right")
+    for row in results["results"]:
+        if row.get("checksum_seconds") is not None:
+            table.add_row(row["link"], str(row["prompt_tokens"]), f"{row['bytes'] / 1e6:.1f}", row["backend"],
+                          _ms(row["transfer_seconds"]), _ms(row["checksum_seconds"]), f"{row['checksum_ratio']:.2f}",
+                          f"{row['checksum_seconds'] / row['transfer_seconds'] - 1:+.1%}")
+    return table
+
+
 def crossover_table(results: Mapping) -> Table:
     table = Table(title="crossover: prompt length where transfer and recompute take equally long")
     for column in ("link", "backend", "crossover tokens", "transfer faster at", "recompute faster at"):
@@ -71,6 +83,8 @@ def encryption_table(results: Mapping) -> Table:
 
 def print_report(results: Mapping, console: Console) -> None:
     console.print(results_table(results))
+    if any(row.get("checksum_seconds") is not None for row in results["results"]):
+        console.print(checksum_table(results))
     if results["crossovers"]:
         console.print(crossover_table(results))
     console.print(estimates_table(results))

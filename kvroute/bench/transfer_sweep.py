@@ -79,9 +79,12 @@ def result_rows(link: str, kv: KVBytes, pair_rows: Iterable[Mapping],
     rows = []
     for pair in pair_rows:
         tokens = pair["bytes"] // kv.bytes_per_token
-        rows.append(comparison_row(link, pair["backend"], tokens, pair["bytes"], pair["backend_seconds"],
-                                   recompute_seconds.get(tokens), baseline=pair["baseline"],
-                                   raw_seconds=pair["raw_seconds"], ratio=pair["ratio"]))
+        row = comparison_row(link, pair["backend"], tokens, pair["bytes"], pair["backend_seconds"],
+                             recompute_seconds.get(tokens), baseline=pair["baseline"],
+                             raw_seconds=pair["raw_seconds"], ratio=pair["ratio"])
+        if "checksum_seconds" in pair:  # the same transfer with per-frame checksums
+            row |= {"checksum_seconds": pair["checksum_seconds"], "checksum_ratio": pair["checksum_ratio"]}
+        rows.append(row)
     return sort_rows(rows)
 
 

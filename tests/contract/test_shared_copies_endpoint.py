@@ -9,15 +9,13 @@ import time
 import pytest
 import torch
 
-from foundation import wire
 from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
-from tests.contract.transfer_endpoint import Producer
+from tests.contract.transfer_endpoint import Producer, stage_shared_lease
 from tests.paged_caches import CONSUMER_BLOCKS, DTYPES, LAYOUTS, NUM_LAYERS, block_bytes, make_cache
 from transfer import block_client
 from transfer.block_client import pull_blocks
 from transfer.kv_layout import block_index_tensor
-from transfer.leases import Lease
-from transfer.shared_copies import SharedCopyUnavailable, read_shared_copy, stage_shared
+from transfer.shared_copies import SharedCopyUnavailable, read_shared_copy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,15 +41,6 @@ def producer(dtype, layout):
         yield producer
 
 
-def stage_on(producer: Producer, block_ids) -> tuple[Lease, wire.PullSource]:
-    """A lease staged in shared memory, as the producer's connector stages it."""
-    lease, source = producer.lease(block_ids, grant=False)
-    producer.leases.grant(lease, staging_bytes=len(block_ids) * producer.cache.spec.bytes_per_block)
-    layers, shared = stage_shared(producer.cache, block_index_tensor(block_ids))
-    producer.leases.finish_staging(lease.handle, layers, shared)
-    return lease, source
-
-
 def pull(context, consumer, source, positions, local_ids, read_shared=None) -> int:
     local = block_index_tensor(local_ids)
     return pull_blocks(context, source, positions, consumer.spec,
@@ -75,7 +64,7 @@ def assert_blocks(producer: Producer, consumer, lease_blocks, positions, local_i
 
 def test_a_consumer_on_this_host_reads_the_shared_copy(producer, consumer, context):
     lease_blocks, positions, local_ids = (3, 7, 1, 10), [1, 2, 3], [4, 0, 8]
-    lease, source = stage_on(producer, lease_blocks)
+    lease, source = stage_shared_lease(producer, lease_blocks)
     calls = []
     nbytes = pull(context, consumer, source, positions, local_ids, reader(consumer, local_ids, positions, calls))
     assert nbytes == len(positions) * consumer.spec.bytes_per_block and len(calls) == 1
@@ -87,7 +76,7 @@ def test_a_consumer_on_this_host_reads_the_shared_copy(producer, consumer, conte
 
 def test_frames_without_a_reader_or_from_another_host(producer, consumer, context, monkeypatch):
     lease_blocks = (2, 5)
-    _, source = stage_on(producer, lease_blocks)
+    _, source = stage_shared_lease(producer, lease_blocks)
     assert pull(context, consumer, source, [0, 1], [1, 2]) == 2 * consumer.spec.bytes_per_block
     monkeypatch.setattr(block_client, "local_host", lambda: "another-machine/boot/pid:[1]")
     calls = []
@@ -99,7 +88,7 @@ def test_frames_without_a_reader_or_from_another_host(producer, consumer, contex
 
 def test_an_unreadable_shared_copy_falls_back_to_frames(producer, consumer, context, caplog):
     lease_blocks, positions, local_ids = (6, 4, 9), [0, 1, 2], [7, 3, 5]
-    _, source = stage_on(producer, lease_blocks)
+    _, source = stage_shared_lease(producer, lease_blocks)
 
     def refuse(ref):
         consumer.layers[0].view(torch.uint8).fill_(1)  # a read that failed half way
@@ -115,7 +104,7 @@ def test_an_unreadable_shared_copy_falls_back_to_frames(producer, consumer, cont
 
 def test_a_lease_that_ends_between_offer_and_read_fails_the_pull(producer, consumer, context):
     """The consumer then recomputes; it never reads another lease's memory."""
-    lease, source = stage_on(producer, (1, 2))
+    lease, source = stage_shared_lease(producer, (1, 2))
 
     def late(ref):
         producer.leases.release(lease.handle)
@@ -144,7 +133,7 @@ def test_a_consumer_in_another_process_reads_the_copy(context):
     import multiprocessing
     with Producer(torch.bfloat16, "block-dim-1").serving() as producer:
         lease_blocks, positions, local_ids = (3, 7, 1, 10, 5), [0, 1, 2, 3, 4], [9, 0, 4, 6, 2]
-        lease, source = stage_on(producer, lease_blocks)
+        lease, source = stage_shared_lease(producer, lease_blocks)
         spawn = multiprocessing.get_context("spawn")
         queue = spawn.Queue()
         child = spawn.Process(target=_pull_in_child,

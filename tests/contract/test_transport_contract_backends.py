@@ -406,3 +406,62 @@ def test_a_killed_sender_process_fails_the_receiver_within_the_deadline(killable
     assert time.monotonic() - started < SHORT_DEADLINE_SECONDS * 2 + SLACK_SECONDS
     assert str(failure.value)
     assert receiver.closed
+
+
+# ---------------------------------------------------------------- checksums
+
+
+MIXED_FRAMES = [4096, 300_000, 2 << 20, 4096]  # packed small frames, and one that travels alone
+
+
+def _random_frames(sizes: list[int], device: str) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(12)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).to(device) for nbytes in sizes]
+
+
+def test_checksummed_transfers_arrive_bit_exactly(links, backend):
+    sender_device, _ = devices(backend)
+    sender, receiver = links.open(make_cache(torch.float16, "kv-first-h2-b8-d64", SOURCE_BLOCKS, seed=9).spec)
+    frames = _random_frames(MIXED_FRAMES, sender_device)
+    received: dict[int, torch.Tensor] = {}
+    sent, got = both(
+        lambda: sender.send(MIXED_FRAMES, lambda i, out: out.copy_(frames[i]), deadline(), 2,
+                            frame_view=lambda i: frames[i] if i == 2 else None, checksummed=True),
+        lambda: receiver.receive(MIXED_FRAMES, lambda i, data: received.__setitem__(i, data.cpu().clone()),
+                                 deadline(), 2, checksummed=True))
+    assert sent.get() == got.get() == sum(MIXED_FRAMES)
+    assert all(torch.equal(received[i], frames[i].cpu()) for i in range(len(frames)))
+
+
+def test_a_frame_that_fails_its_checksum_is_refused_before_it_is_stored(links, backend, monkeypatch):
+    """The sender's digest of frame 1 is not its bytes' (a frame changed on the way): the
+    receiver stores frame 0, refuses frame 1, and the link is closed."""
+    from transfer.transports import base
+    from transfer.transports.checksums import ChecksumMismatch
+
+    real_digest, digests_made = base.frame_digest, []
+
+    def digest_with_a_fault(data):
+        digests_made.append(1)
+        return real_digest(data) if len(digests_made) != 2 else bytes(8)
+
+    monkeypatch.setattr(base, "frame_digest", digest_with_a_fault)
+    sender_device, _ = devices(backend)
+    sender, receiver = links.open(make_cache(torch.float16, "kv-first-h2-b8-d64", SOURCE_BLOCKS, seed=9).spec)
+    frames = _random_frames(MIXED_FRAMES, sender_device)
+    stored: list[int] = []
+    sent, refused = both(
+        lambda: sender.send(MIXED_FRAMES, lambda i, out: out.copy_(frames[i]), deadline(SHORT_DEADLINE_SECONDS),
+                            3, checksummed=True),
+        lambda: receiver.receive(MIXED_FRAMES, lambda i, _: stored.append(i), deadline(), 3, checksummed=True))
+    assert isinstance(refused.error, ChecksumMismatch) and "frame 1" in str(refused.error)
+    assert stored == [0]
+    assert sent.error is None or isinstance(sent.error, TransportError)
+    assert receiver.closed
+
+
+def test_a_receiver_expecting_checksums_refuses_a_transfer_without_them(links):
+    sender, receiver = links.open(make_cache(torch.float32, "blocks-first-h4-b16-d32", SOURCE_BLOCKS, seed=7).spec)
+    _, refused = both(lambda: sender.send([1024], lambda _, out: out.zero_(), deadline(SHORT_DEADLINE_SECONDS), 5),
+                      lambda: receiver.receive([1024], lambda *_: None, deadline(), 5, checksummed=True))
+    assert isinstance(refused.error, FrameMismatch) and "checksums 0, expected 1" in str(refused.error)

@@ -26,6 +26,7 @@ from transfer.block_server import BlockServer
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
+from transfer.shared_copies import stage_shared
 from transfer.transports.settings import TransportSettings
 
 PARK_SECONDS = 0.5
@@ -36,13 +37,15 @@ class Producer:
     """A BlockServer on 127.0.0.1 over a random producer cache, with its lease table and counters."""
 
     def __init__(self, dtype: torch.dtype, layout: str, link_settings: TransportSettings | None = None,
-                 max_parked: int = 64):
+                 max_parked: int = 64, server_class: type[BlockServer] = BlockServer):
+        """``server_class``: a BlockServer subclass that misbehaves on purpose, for the
+        consumer's integrity tests."""
         self.cache = make_cache(dtype, layout, PRODUCER_BLOCKS, seed=1234)
         self.leases = LeaseTable()
         self.counters = Counters()
         self.address = tcp("127.0.0.1", free_port())
-        self.server = BlockServer(self.address, self.cache, self.leases, self.counters,
-                                  park_seconds=PARK_SECONDS, link_settings=link_settings, max_parked=max_parked)
+        self.server = server_class(self.address, self.cache, self.leases, self.counters,
+                                   park_seconds=PARK_SECONDS, link_settings=link_settings, max_parked=max_parked)
 
     @contextlib.contextmanager
     def serving(self):
@@ -65,11 +68,12 @@ class Producer:
 
 
 def pull_into(context, consumer: PagedKVCache, source: wire.PullSource, indices, local_ids,
-              layout: wire.KVLayoutSpec | None = None, deadline_seconds: float = DEADLINE_SECONDS) -> int:
+              layout: wire.KVLayoutSpec | None = None, deadline_seconds: float = DEADLINE_SECONDS,
+              checksum: bool = False) -> int:
     local = block_index_tensor(local_ids)
     return pull_blocks(context, source, indices, layout or consumer.spec,
                        lambda layer, data: consumer.scatter_layer(layer, local, data),
-                       time.monotonic() + deadline_seconds)
+                       time.monotonic() + deadline_seconds, checksum=checksum)
 
 
 def assert_pulled(producer: Producer, consumer: PagedKVCache, remote_ids, local_ids) -> None:
@@ -83,6 +87,15 @@ def assert_pulled(producer: Producer, consumer: PagedKVCache, remote_ids, local_
 
 def assert_untouched(consumer: PagedKVCache) -> None:
     assert all(not layer.any() for layer in consumer.layers)
+
+
+def stage_shared_lease(producer: Producer, block_ids) -> tuple[Lease, wire.PullSource]:
+    """A lease staged in shared memory, as the producer's connector stages it."""
+    lease, source = producer.lease(block_ids, grant=False)
+    producer.leases.grant(lease, staging_bytes=len(block_ids) * producer.cache.spec.bytes_per_block)
+    layers, shared = stage_shared(producer.cache, block_index_tensor(block_ids))
+    producer.leases.finish_staging(lease.handle, layers, shared)
+    return lease, source
 
 
 def stage(producer: Producer, lease: Lease) -> list[torch.Tensor]:

@@ -27,12 +27,12 @@ class RecordingSender(Sender):
     def _send_header(self, packed: bytes, deadline: float) -> None:
         return None
 
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> FakeTracker:
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> FakeTracker:
         tracker = FakeTracker(done=False)
         self.sent.append((buffer, tracker))
         return tracker
 
-    def _send_untracked(self, buffer: torch.Tensor, deadline: float) -> None:
+    def _send_untracked(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> None:
         self.sent.append((buffer, None))
 
     def _close(self) -> None:

@@ -181,3 +181,19 @@ def test_encryption_rows_compare_each_link_encrypted_and_in_clear_with_the_faste
     assert row["encryption_cost"] == pytest.approx(4.0)
     assert row["raw_ms"] == pytest.approx(8.0)
     assert row["encrypted_vs_raw"] == pytest.approx(0.2) and row["clear_vs_raw"] == pytest.approx(0.8)
+
+
+def test_checksummed_timings_become_an_on_off_ratio_in_the_rows_and_the_report():
+    pair = summarise("zmq-tcp", KV.frame_bytes(128), KV.num_layers,
+                     {"backend": [0.010] * 3, "raw": [0.010] * 3, "checksum": [0.0125] * 3})
+    assert pair["checksum_seconds"] == 0.0125 and pair["checksum_ratio"] == pytest.approx(0.8)
+    [row] = result_rows("loopback", KV, [pair], {})
+    assert (row["checksum_seconds"], row["checksum_ratio"]) == (0.0125, pair["checksum_ratio"])
+
+    from rich.console import Console
+
+    from kvroute.bench.transfer_report import checksum_table
+    console = Console(width=200, record=True)
+    console.print(checksum_table({"results": [row]}))
+    assert "+25.0%" in console.export_text()
+    assert "checksum_seconds" not in fake_pair_row("gloo", 128, [0.01], [0.01])

@@ -140,15 +140,19 @@ PULL_BLOCKS_V1_HEX = (  # before ``host`` was appended
     "aa626c6f636b5f73697a65" "10"  # block_size: 16
     "af62797465735f7065725f626c6f636b" "cd1000"  # bytes_per_block: 4096
 )
-PULL_BLOCKS_HEX = (
+PULL_BLOCKS_V2_HEX = (  # before ``checksum`` was appended
     "85" + PULL_BLOCKS_V1_HEX[2:]
     + "a4686f7374" "a0"  # host: ""
+)
+PULL_BLOCKS_HEX = (
+    "86" + PULL_BLOCKS_V2_HEX[2:]
+    + "a8636865636b73756d" "c2"  # checksum: false
 )
 
 PULL_HEADER_SHARED = wire.PullHeader(
     ok=True, num_blocks=2, num_layers=30,
     shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5))
-PULL_HEADER_SHARED_HEX = (
+PULL_HEADER_SHARED_V1_HEX = (  # before layout, block_indices, frame_bytes and checksum were appended
     "86"
     "a474797065" "ab70756c6c5f686561646572"  # type: "pull_header"
     "a26f6b" "c3"  # ok: true
@@ -160,6 +164,13 @@ PULL_HEADER_SHARED_HEX = (
     "a26664" "09"  # fd: 9
     "a46e616d65" "b06b76726f7574652d6c656173652d6162"  # name: "kvroute-lease-ab"
     "aa6e756d5f626c6f636b73" "05"  # num_blocks: 5
+)
+PULL_HEADER_SHARED_HEX = (
+    "8a" + PULL_HEADER_SHARED_V1_HEX[2:]
+    + "a66c61796f7574" "c0"  # layout: nil
+    "ad626c6f636b5f696e6469636573" "90"  # block_indices: []
+    "ab6672616d655f6279746573" "00"  # frame_bytes: 0
+    "a8636865636b73756d" "c2"  # checksum: false
 )
 
 ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")
@@ -211,12 +222,16 @@ OPEN_LINK_HEX = (
 
 PULL_OVER_LINK = wire.PullOverLink(handle="ff" * 16, block_indices=[0, 2], layout=PULL_BLOCKS.layout,
                                    link_id="abababab", transfer_id=3)
-PULL_OVER_LINK_HEX = (
+PULL_OVER_LINK_V1_HEX = (  # before ``checksum`` was appended
     "86"
     "a474797065" "a970756c6c5f6c696e6b"  # type: "pull_link"
     + PULL_BLOCKS_V1_HEX[2 + len("a474797065" "a470756c6c"):]  # handle, block_indices, layout as in PullBlocks
     + "a76c696e6b5f6964" "a86162616261626162"  # link_id: "abababab"
     "ab7472616e736665725f6964" "03"  # transfer_id: 3
+)
+PULL_OVER_LINK_HEX = (
+    "87" + PULL_OVER_LINK_V1_HEX[2:]
+    + "a8636865636b73756d" "c2"  # checksum: false
 )
 
 GOLDEN = [
@@ -249,9 +264,12 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
-                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS)],
+                                              (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
+                                              (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
+                                              (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
                          ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
-                              "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1"])
+                              "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1", "PullBlocks-v2",
+                              "PullHeader-v1", "PullOverLink-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

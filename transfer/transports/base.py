@@ -3,16 +3,19 @@
 A transfer is what the KV wire format produces, one frame per layer (see
 ``transfer.kv_layout``), preceded by a header (``transfer.transports.header``)::
 
-    sender.send(frame_bytes, fill, deadline, transfer_id)
+    sender.send(frame_bytes, fill, deadline, transfer_id, checksummed=…)
         header ──▶ frame 0 ──▶ frame 1 ──▶ … ──▶ frame n-1
-    receiver.receive(frame_bytes, store, deadline, transfer_id)
+    receiver.receive(frame_bytes, store, deadline, transfer_id, checksummed=…)
 
 The sender never hands a caller's tensor to the wire: ``fill(index, out)`` writes
 frame ``index`` into a link-owned buffer (a gather from the KV cache, typically), which
 is reused only after its send completed (``transfer.send_buffers``). The receiver calls
 ``store(index, data)`` once per frame, in order; ``data`` is valid during the call only
 (a scatter into the KV cache, typically). Both ends know the frame sizes beforehand,
-since the receiver asked for those blocks; the header makes them agree or fail.
+since the receiver asked for those blocks; the header makes them agree or fail. In a
+checksummed transfer each message carries the digests of its frames
+(``transfer.transports.checksums``), and the receiver checks a frame before ``store``
+sees it.
 
 Ownership: a lock serialises the calls on one end, so two transfers never interleave
 their frames; which transfer goes first is the caller's protocol, and the transfer id
@@ -34,6 +37,7 @@ from typing import Protocol
 import torch
 
 from transfer.send_buffers import SendBufferPool, Tracker
+from transfer.transports.checksums import frame_digest
 from transfer.transports.errors import LinkClosed, TransportError, seconds_left
 from transfer.transports.header import TransferHeader
 from transfer.transports.settings import LinkOptions
@@ -97,13 +101,13 @@ class Sender(_LinkEnd):
         self._buffers = SendBufferPool(device=options.device)
 
     def send(self, frame_bytes: Sequence[int], fill: LayerSource, deadline: float,
-             transfer_id: int = 0, frame_view: FrameView | None = None) -> int:
+             transfer_id: int = 0, frame_view: FrameView | None = None, checksummed: bool = False) -> int:
         """Send one transfer; returns its payload bytes once every frame has left this end.
 
         ``frame_view``: for memory that stays unchanged until then (a staged lease), a frame
         that travels alone goes out as it lies when ``frame_view(index)`` gives its bytes
         (contiguous uint8 on this end's device), with no copy into a send buffer."""
-        header = TransferHeader(transfer_id, tuple(frame_bytes))
+        header = TransferHeader(transfer_id, tuple(frame_bytes), checksummed)
         self._run(lambda: self._send_transfer(header, fill, frame_view, deadline))
         return header.total_bytes
 
@@ -114,12 +118,13 @@ class Sender(_LinkEnd):
         untracked_slots = []
         for position, group in enumerate(groups):
             slot, message = self._message(header.frame_bytes, group, fill, frame_view)
+            digests = _digests(header.frame_bytes, group, message) if header.checksummed else None
             if self.completes_in_order and position < len(groups) - 1:
-                self._send_untracked(message, deadline)
+                self._send_untracked(message, deadline, digests)
                 if slot is not None:
                     untracked_slots.append(slot)
                 continue
-            tracker = self._send_buffer(message, deadline)
+            tracker = self._send_buffer(message, deadline, digests)
             if slot is not None:
                 self._buffers.mark_sent(slot, tracker)
             trackers.append(tracker)
@@ -158,7 +163,7 @@ class Sender(_LinkEnd):
     # stands for all, and ``_send_buffer`` must return a tracker for it.
     completes_in_order = False
 
-    def _send_untracked(self, buffer: torch.Tensor, deadline: float) -> None:
+    def _send_untracked(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> None:
         """Start sending a message that is not the last of a transfer (``completes_in_order``)."""
         raise NotImplementedError
 
@@ -170,28 +175,41 @@ class Sender(_LinkEnd):
     def _send_header(self, packed: bytes, deadline: float) -> Tracker | None: ...
 
     @abstractmethod
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> Tracker | None:
-        """Start sending one message (a group of frames); None when ``buffer`` may be reused at once."""
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> Tracker | None:
+        """Start sending one message (a group of frames) with its frames' ``digests`` (None:
+        an unchecked transfer); None when ``buffer`` may be reused at once."""
 
 
 class Receiver(_LinkEnd):
     def receive(self, frame_bytes: Sequence[int], store: LayerSink, deadline: float,
-                transfer_id: int = 0) -> int:
-        """Receive one transfer into ``store``; returns its payload bytes."""
-        expected = TransferHeader(transfer_id, tuple(frame_bytes))
+                transfer_id: int = 0, checksummed: bool = False) -> int:
+        """Receive one transfer into ``store``; returns its payload bytes. ``checksummed``:
+        every frame must match its digest before it is stored (ChecksumMismatch otherwise)."""
+        expected = TransferHeader(transfer_id, tuple(frame_bytes), checksummed)
         self._run(lambda: self._receive_transfer(expected, store, deadline))
         return expected.total_bytes
 
     def _receive_transfer(self, expected: TransferHeader, store: LayerSink, deadline: float) -> None:
         expected.check(self._receive_header(deadline))
-        self._receive_frames(expected.frame_bytes, store, deadline)
+        self._receive_frames(expected.frame_bytes, store, deadline, expected.checksummed)
 
     @abstractmethod
     def _receive_header(self, deadline: float) -> bytes: ...
 
     @abstractmethod
-    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
-        """Call ``store(index, data)`` for each frame, checking each frame's size."""
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float,
+                        checksummed: bool) -> None:
+        """Call ``store(index, data)`` for each frame, checking each frame's size and, when
+        ``checksummed``, its digest (``packing.store_group`` does both)."""
+
+
+def _digests(frame_bytes: tuple[int, ...], group: range, message: torch.Tensor) -> bytes:
+    """The digests of one message's frames, in order."""
+    digests, offset = [], 0
+    for index in group:
+        digests.append(frame_digest(message[offset:offset + frame_bytes[index]]))
+        offset += frame_bytes[index]
+    return b"".join(digests)
 
 
 @dataclass

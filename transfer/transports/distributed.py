@@ -14,7 +14,9 @@ consecutive frames travel as one message (``transfer.transports.packing``), sinc
 send/receive pair has a fixed cost. The receiver posts the receive of message i+1
 before storing message i's frames, so the wire and the scatter overlap. After a failure
 the group is aborted and its buffers dropped: a receive that timed out might still
-complete later, into memory that must then be nobody's.
+complete later, into memory that must then be nobody's. In a checksummed transfer each
+message's digests travel as a small message of their own (tag DIGEST_TAG), received
+alongside it.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
+from transfer.transports.checksums import DIGEST_BYTES
 from transfer.transports.errors import PeerLost, TransportError, TransportTimeout, seconds_left
 from transfer.transports.header import HEADER_WORDS
 from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
-HEADER_TAG, FRAME_TAG = 1, 2
+HEADER_TAG, FRAME_TAG, DIGEST_TAG = 1, 2, 3
 
 
 def process_group_backend(device: torch.device) -> str:
@@ -71,18 +74,21 @@ def _translate(backend: str, error: BaseException) -> TransportError | None:
 
 
 class _WorkTracker:
-    """A torch.distributed Work as the tracker ``SendBufferPool`` expects."""
+    """torch.distributed Works (a message, and its digests) as the tracker ``SendBufferPool``
+    expects; holds the digests' tensor until its send is done."""
 
-    def __init__(self, work: dist.Work):
-        self._work = work
+    def __init__(self, *works: dist.Work, keep: torch.Tensor | None = None):
+        self._works = works
+        self._keep = keep
 
     @property
     def done(self) -> bool:
-        return self._work.is_completed()
+        return all(work.is_completed() for work in self._works)
 
     def wait(self, timeout: float) -> None:
         # With a timeout, wait() blocks this thread (also for NCCL) and raises on failure.
-        self._work.wait(timedelta(seconds=max(timeout, 1e-3)))
+        for work in self._works:
+            work.wait(timedelta(seconds=max(timeout, 1e-3)))
 
 
 class _GroupEnd:
@@ -113,8 +119,12 @@ class DistributedSender(_GroupEnd, Sender):
     def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
         return message_groups(frame_bytes)
 
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> _WorkTracker:
-        return _WorkTracker(self._group.send([buffer], RECEIVER_RANK, FRAME_TAG))
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> _WorkTracker:
+        work = self._group.send([buffer], RECEIVER_RANK, FRAME_TAG)
+        if digests is None:
+            return _WorkTracker(work)
+        digest_tensor = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(self.device)
+        return _WorkTracker(work, self._group.send([digest_tensor], RECEIVER_RANK, DIGEST_TAG), keep=digest_tensor)
 
 
 class DistributedReceiver(_GroupEnd, Receiver):
@@ -131,25 +141,34 @@ class DistributedReceiver(_GroupEnd, Receiver):
         self._wait(self._group.recv([header], SENDER_RANK, HEADER_TAG), deadline)
         return header.cpu().numpy().tobytes()
 
-    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float,
+                        checksummed: bool) -> None:
         groups = message_groups(frame_bytes)
         if not groups:
             return
         sizes = [group_bytes(frame_bytes, group) for group in groups]
         ring = self._ring_for(max(sizes))
-        pending = self._post(ring[0], sizes[0])
+        pending = self._post(ring[0], sizes[0], len(groups[0]) if checksummed else 0)
         for number, group in enumerate(groups):
-            work, data = pending
-            self._wait(work, deadline)
+            works, data, digests = pending
+            for work in works:
+                self._wait(work, deadline)
             if number + 1 < len(groups):  # the next message arrives while this one is stored
-                pending = self._post(ring[(number + 1) % 2], sizes[number + 1])
-            store_group(frame_bytes, group, data, store)
+                next_digests = len(groups[number + 1]) if checksummed else 0
+                pending = self._post(ring[(number + 1) % 2], sizes[number + 1], next_digests)
+            store_group(frame_bytes, group, data, store,
+                        None if digests is None else digests.cpu().numpy().tobytes())
 
-    def _post(self, buffer: torch.Tensor, nbytes: int):
+    def _post(self, buffer: torch.Tensor, nbytes: int, num_digests: int):
         # Exactly the announced size: Gloo aborts the process on a longer message, and the
         # header check made sure the sender announced these sizes.
         data = buffer[:nbytes]
-        return self._group.recv([data], SENDER_RANK, FRAME_TAG), data
+        works = [self._group.recv([data], SENDER_RANK, FRAME_TAG)]
+        digests = None
+        if num_digests:
+            digests = torch.empty(num_digests * DIGEST_BYTES, dtype=torch.uint8, device=self.device)
+            works.append(self._group.recv([digests], SENDER_RANK, DIGEST_TAG))
+        return works, data, digests
 
     def _ring_for(self, nbytes: int) -> list[torch.Tensor]:
         if not self._ring or self._ring[0].numel() < nbytes:

@@ -16,6 +16,7 @@ import torch
 
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
 from transfer.transports.errors import FrameMismatch, LinkRefused, PeerLost, TransportTimeout, seconds_left
+from transfer.transports.packing import store_group
 from transfer.transports.settings import LinkOptions
 
 NAME = "fake"
@@ -43,8 +44,8 @@ class FakeSender(Sender):
     def _send_header(self, packed: bytes, deadline: float) -> None:
         self._put(packed, deadline)
 
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> None:
-        self._put(buffer.clone(), deadline)
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> None:
+        self._put((buffer.clone(), digests), deadline)
 
     def _close(self) -> None:
         with _mailboxes_lock:
@@ -77,13 +78,17 @@ class FakeReceiver(Receiver):
             raise FrameMismatch("expected a transfer header on the fake link, got a frame")
         return header
 
-    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float,
+                        checksummed: bool) -> None:
         for index, nbytes in enumerate(frame_bytes):
-            frame = self._get(deadline)
-            got = frame.numel() if isinstance(frame, torch.Tensor) else len(frame)
-            if got != nbytes or not isinstance(frame, torch.Tensor):
-                raise FrameMismatch(f"frame {index}: got {got} bytes, expected {nbytes}")
-            store(index, frame)
+            item = self._get(deadline)
+            if not isinstance(item, tuple):
+                raise FrameMismatch(f"frame {index}: expected a frame on the fake link, got a header")
+            frame, digests = item
+            if frame.numel() != nbytes or (digests is not None) != checksummed:
+                raise FrameMismatch(f"frame {index}: got {frame.numel()} bytes (digest: {digests is not None}), "
+                                    f"expected {nbytes} (digest: {checksummed})")
+            store_group(frame_bytes, range(index, index + 1), frame, store, digests)
 
     def _close(self) -> None:
         pass

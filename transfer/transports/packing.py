@@ -10,6 +10,8 @@ groups from the frame sizes the header agreed on, so nothing about the packing i
 
 from __future__ import annotations
 
+from transfer.transports.checksums import check_frame
+
 MESSAGE_BYTES = 1 << 20
 
 
@@ -30,9 +32,14 @@ def group_bytes(frame_bytes: tuple[int, ...], group: range) -> int:
     return sum(frame_bytes[index] for index in group)
 
 
-def store_group(frame_bytes: tuple[int, ...], group: range, data, store) -> None:
-    """Hand each frame of one received message to ``store(index, view)``, in order."""
+def store_group(frame_bytes: tuple[int, ...], group: range, data, store, digests: bytes | None = None) -> None:
+    """Hand each frame of one received message to ``store(index, view)``, in order; with
+    ``digests`` (the message's, one per frame), each frame is checked first, so a corrupt
+    frame never reaches ``store``."""
     offset = 0
-    for index in group:
-        store(index, data[offset:offset + frame_bytes[index]])
+    for position, index in enumerate(group):
+        frame = data[offset:offset + frame_bytes[index]]
+        if digests is not None:
+            check_frame(index, frame, digests, position)
+        store(index, frame)
         offset += frame_bytes[index]

@@ -3,7 +3,9 @@
 Frames go out zero-copy from the link's send buffers (``transfer.send_buffers``: a
 buffer is handed out again only once libzmq let go of it), small consecutive ones
 packed into one message (``transfer.transports.packing``), and are read zero-copy on
-the receiving side. ZeroMQ never reports a dead peer, so every wait polls against the
+the receiving side. In a checksummed transfer a message has two parts: its frames'
+digests, then the frames (the last part is the payload, so the tracker pyzmq returns
+is the payload's). ZeroMQ never reports a dead peer, so every wait polls against the
 caller's deadline. A sender's completed send means the bytes left this process, not
 that they arrived; only the receiver can confirm that.
 """
@@ -22,6 +24,7 @@ from foundation.zmq_auth import secure_client, secure_server
 from transfer.block_client import frame_as_tensor
 from transfer.send_buffers import send_frame
 from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
+from transfer.transports.checksums import DIGEST_BYTES
 from transfer.transports.errors import FrameMismatch, TransportError, TransportTimeout, seconds_left
 from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
@@ -66,14 +69,18 @@ class ZmqSender(Sender):
     # when written, so a transfer's last message finishing means all of them did.
     completes_in_order = True
 
-    def _send_buffer(self, buffer: torch.Tensor, deadline: float) -> zmq.MessageTracker:
+    def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> zmq.MessageTracker:
         # Zero-copy and tracked whatever its size: its tracker frees the whole transfer's buffers.
-        view = memoryview(buffer.numpy())
-        return send_by_deadline(self._socket, lambda flags: self._socket.send(view, flags, copy=False, track=True),
+        # libzmq takes the remaining parts of a message once it took the first, so a NOBLOCK
+        # refusal can only come before anything of it was queued.
+        parts = [memoryview(buffer.numpy())] if digests is None else [digests, memoryview(buffer.numpy())]
+        return send_by_deadline(self._socket,
+                                lambda flags: self._socket.send_multipart(parts, flags, copy=False, track=True),
                                 deadline, "the receiver to accept frames")
 
-    def _send_untracked(self, buffer: torch.Tensor, deadline: float) -> None:
-        send_by_deadline(self._socket, lambda flags: send_frame(self._socket, [], buffer, flags, track=False),
+    def _send_untracked(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> None:
+        prefix = [] if digests is None else [digests]
+        send_by_deadline(self._socket, lambda flags: send_frame(self._socket, prefix, buffer, flags, track=False),
                          deadline, "the receiver to accept frames")
 
     def _translate(self, error: BaseException) -> TransportError | None:
@@ -108,16 +115,18 @@ class ZmqReceiver(Receiver):
             raise FrameMismatch(f"expected a one-part transfer header, got {len(parts)} parts")
         return parts[0].bytes
 
-    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float) -> None:
+    def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float,
+                        checksummed: bool) -> None:
         for group in message_groups(frame_bytes):
             nbytes = group_bytes(frame_bytes, group)
+            expected = [DIGEST_BYTES * len(group), nbytes] if checksummed else [nbytes]
             parts = self._receive_message(deadline)
-            if len(parts) != 1 or len(parts[0]) != nbytes:
-                raise FrameMismatch(f"frames {group.start}-{group.stop - 1}: got {sum(len(p) for p in parts)} "
-                                    f"bytes in {len(parts)} parts, expected {nbytes} in one")
+            if [len(part) for part in parts] != expected:
+                raise FrameMismatch(f"frames {group.start}-{group.stop - 1}: got parts of "
+                                    f"{[len(part) for part in parts]} bytes, expected {expected}")
             # torch.frombuffer refuses an empty buffer; a message of empty frames is legal.
-            data = frame_as_tensor(parts[0]) if nbytes else torch.empty(0, dtype=torch.uint8)
-            store_group(frame_bytes, group, data, store)
+            data = frame_as_tensor(parts[-1]) if nbytes else torch.empty(0, dtype=torch.uint8)
+            store_group(frame_bytes, group, data, store, parts[0].bytes if checksummed else None)
 
     def _translate(self, error: BaseException) -> TransportError | None:
         return TransportError(f"{self.backend}: {error}") if isinstance(error, zmq.ZMQError) else None
