@@ -62,7 +62,7 @@ class Stack:
 
 def listening_sockets(root_pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket listening in ``root_pid`` and its descendants."""
-    pids = _descendants(root_pid)
+    pids = process_tree(root_pid)
     inodes = set()
     for pid in pids:
         try:
@@ -86,7 +86,8 @@ def listening_sockets(root_pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def _descendants(root_pid: int) -> set[int]:
+def process_tree(root_pid: int) -> set[int]:
+    """``root_pid`` and every process descended from it (from /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -95,11 +96,12 @@ def _descendants(root_pid: int) -> set[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(parent, []).append(int(entry.name))
-    found, stack = set(), [root_pid]
-    while stack:
-        pid = stack.pop()
-        found.add(pid)
-        stack.extend(children.get(pid, []))
+    found, frontier = {root_pid}, [root_pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
     return found
 
 

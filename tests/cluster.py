@@ -16,6 +16,7 @@ from foundation.launcher import LaunchedWorker, launch_worker, stop_all
 from foundation.model_prep import resolve_model
 from orchestrator.disagg import HandoffRecord, generate_disaggregated
 from orchestrator.worker_client import WorkerClient
+from testing.stack import process_tree
 
 # float32 keeps greedy outputs stable across batch shapes (see the README's testing notes).
 ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096"]
@@ -100,31 +101,13 @@ def process_tree_cpu_cores(root_pid: int, seconds: float) -> float:
 
 def _tree_cpu_seconds(root_pid: int) -> float:
     ticks = 0
-    for pid in _descendants(root_pid) | {root_pid}:
+    for pid in process_tree(root_pid):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _descendants(root_pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, frontier = set(), [root_pid]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            if child not in found:
-                found.add(child)
-                frontier.append(child)
-    return found
 
 
 def metric_at(url: str, line_start: str) -> float:

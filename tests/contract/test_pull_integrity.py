@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 import torch
 
 from foundation import wire
-from tests.contract.transfer_endpoint import Producer, pull_into, stage_shared_lease
+from tests.contract.transfer_endpoint import Producer, lying, pull_into, stage_shared_lease
 from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, NUM_LAYERS, block_bytes, make_cache, snapshot
 from transfer.block_server import BlockServer
 from transfer.connector_worker import ConnectorWorker
@@ -30,17 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 LEASE_BLOCKS = (3, 7, 1)
 LOCAL_IDS = (8, 0, 5)
 RESULT_SECONDS = 10.0
-
-
-def lying(**fields) -> type[BlockServer]:
-    """A block server whose every accepting header misstates ``fields``; what follows it is
-    what the honest server sends."""
-
-    class LyingServer(BlockServer):
-        def _accepted(self, request, shared_copy=None) -> wire.PullHeader:
-            return msgspec.structs.replace(super()._accepted(request, shared_copy), **fields)
-
-    return LyingServer
 
 
 class CorruptingServer(BlockServer):

@@ -25,7 +25,7 @@ from worker.event_relay import EventRelay
 from worker.rpc_server import RpcServer
 
 FINGERPRINT = "f" * 16
-SILENCE_MS = 1000  # how long an outsider waits for the reply it must never get
+SILENCE_MS = 500  # how long an outsider waits for the reply it must never get
 
 
 def keys() -> cluster_keys.ClusterKeys:

@@ -8,6 +8,7 @@ import contextlib
 import secrets
 import time
 
+import msgspec
 import torch
 
 from foundation import wire
@@ -108,3 +109,14 @@ def stage(producer: Producer, lease: Lease) -> list[torch.Tensor]:
     for layer in producer.cache.layers:
         layer.view(torch.uint8).fill_(0xA5)  # freed blocks get new owners: the lease must not care
     return original
+
+
+def lying(**fields) -> type[BlockServer]:
+    """A block server whose every accepting header misstates ``fields``; what follows it is
+    what the honest server sends."""
+
+    class LyingServer(BlockServer):
+        def _accepted(self, request, shared_copy=None) -> wire.PullHeader:
+            return msgspec.structs.replace(super()._accepted(request, shared_copy), **fields)
+
+    return LyingServer

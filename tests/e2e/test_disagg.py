@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
+import time
 
 import pytest
+import torch
 import zmq
 
 from foundation import kv_events, wire
+from foundation.endpoint_client import fetch_transfer_stats
+from foundation.netutil import free_port
 from foundation.zmq_auth import secure_client
 from orchestrator.disagg import release
 from orchestrator.worker_client import WorkerClient, WorkerError
@@ -26,6 +31,7 @@ from tests.cluster import (
     wait_idle,
     wait_staged,
 )
+from tests.contract.transfer_endpoint import lying
 from tests.e2e.disagg import (
     GREEDY_32,
     TOPICS,
@@ -35,6 +41,10 @@ from tests.e2e.disagg import (
     question,
     transfer_delta,
 )
+from transfer.connector_scheduler import prompt_digest
+from transfer.counters import Counters
+from transfer.kv_layout import PagedKVCache
+from transfer.leases import Lease, LeaseTable
 from worker.queued_prefill import QueuedPrompt
 from worker.resident import ResidentBlocks
 from worker.settings import default_long_prefill_tokens
@@ -270,3 +280,43 @@ async def test_a_prompt_computing_alone_reports_how_long_it_has_computed(clients
     assert seen[0][0] == seen[-1][0] == len(prompt)  # no progress shows in the listing
     assert 0 <= seen[0][1] < seen[-1][1]  # but the age grows
     assert (await clients.prefill.stats()).load.head_prompt_age == 0.0
+
+
+async def test_a_producer_whose_layer_count_differs_is_refused_and_the_prompt_recomputed(clients, engines,
+                                                                                          tokenizer):
+    """A producer whose header says one layer more than the decode engine has: the decode
+    worker refuses the pull before writing a byte and recomputes the prompt,
+    token-identical to one engine."""
+    layout = (await asyncio.to_thread(fetch_transfer_stats, zmq.Context.instance(),
+                                      engines["decode"].transfer_address)).layout
+    dtype = getattr(torch, layout.dtype.removeprefix("torch."))
+    shape = list(layout.block_shape)
+    shape.insert(layout.block_dim, 4)
+    cache = PagedKVCache([torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)], 4, layout.block_size)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    leases = LeaseTable()
+    server = lying(num_layers=layout.num_layers + 1)(address, cache, leases, Counters())
+    server.start()
+    try:
+        prompt = chat_prompt(tokenizer, question(7))
+        reference = await _collect_chunks(clients.decode, wire.GenerateRequest(
+            request_id="foreign-ref", prompt_token_ids=prompt, cache_salt="reference-foreign",
+            sampling=wire.SamplingSpec(max_tokens=16, logprobs=2)))
+        num_tokens = layout.block_size * 2
+        handle = secrets.token_hex(16)
+        leases.grant(Lease(handle=handle, request_id="foreign", block_ids=(0, 1), num_tokens=num_tokens,
+                           expires_at=time.monotonic() + 60))
+        source = wire.PullSource(handle=handle, address=address, num_tokens=num_tokens, block_size=layout.block_size,
+                                 prompt_digest=prompt_digest(prompt[:num_tokens], "foreign"))
+        before = await clients.decode.stats()
+        output = await _collect_chunks(clients.decode, wire.GenerateRequest(
+            request_id="foreign-decode", prompt_token_ids=prompt, cache_salt="foreign",
+            sampling=wire.SamplingSpec(max_tokens=16), pull_from=source))
+        after = await wait_idle(clients.decode)
+    finally:
+        server.stop()
+    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
+    assert after.transfer.bytes_received == before.transfer.bytes_received  # nothing written
+    tokens = [t for chunk in output for t in chunk.token_ids]
+    verdict = compare_with_reference(tokens, reference)
+    assert verdict == "identical" or verdict.startswith("diverged at a near-tie"), verdict
