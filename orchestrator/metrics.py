@@ -19,6 +19,8 @@ from foundation import wire
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Actual over estimated TTFT: 1 is a perfect estimate; the buckets are dense around it.
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4, 10)
 
 
 class Metrics:
@@ -40,7 +42,8 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvroute_e2e_request_latency_seconds", "request arrival to last token",
                              ["policy"], buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens received", registry=r)
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens placed, per prefilling worker",
+                                     ["worker"], registry=r)
         self.prefix_tokens = Histogram("kvroute_prompt_length_tokens", "prompt length", buckets=TOKEN_BUCKETS,
                                        registry=r)
         self.estimated_reused = Counter("kvroute_estimated_reused_tokens", "prompt tokens the plan expected to reuse",
@@ -48,6 +51,17 @@ class Metrics:
         self.cached_tokens = Counter("kvroute_cached_prompt_tokens",
                                      "prompt tokens the prefilling engine found in its cache", ["worker"], registry=r)
         self.generation_tokens = Counter("kvroute_generation_tokens", "completion tokens returned", registry=r)
+        self.ttft_estimate_ratio = Histogram("kvroute_ttft_estimate_ratio",
+                                             "actual TTFT over the chosen plan's estimate (1: exact)",
+                                             ["policy"], buckets=RATIO_BUCKETS, registry=r)
+        self.awaiting_capacity = Gauge("kvroute_requests_awaiting_capacity",
+                                       "requests waiting for a worker under its concurrency cap", registry=r)
+        self.worker_waiting = Gauge("kvroute_worker_requests_waiting",
+                                    "requests waiting in the worker's engine (from its heartbeat)", ["worker"],
+                                    registry=r)
+        self.worker_queued_prefill_tokens = Gauge("kvroute_worker_queued_prefill_tokens",
+                                                  "prompt tokens still to compute on the worker (from its heartbeat)",
+                                                  ["worker"], registry=r)
         self.plans = Counter("kvroute_plans", "placements by policy and plan kind", ["policy", "plan"], registry=r)
         self.selected = Counter("kvroute_worker_selected", "placements per worker and role", ["worker", "role"],
                                 registry=r)
@@ -79,6 +93,9 @@ class Metrics:
                                    "2 open (out of rotation)", ["worker"], registry=r)
         self.migrations = Counter("kvroute_request_migrations",
                                   "requests moved to another worker after one failed", ["role"], registry=r)
+        for role in wire.ROLES:  # at 0 from the start, so that the first failure shows in rate() and increase()
+            self.worker_failures.labels(role)
+            self.migrations.labels(role)
 
     def observe_request(self, job, plan, handoff, record) -> None:
         kind = plan.kind.value
@@ -88,12 +105,14 @@ class Metrics:
                              ("source", plan.source_worker)):
             if worker:
                 self._per_worker(self.selected, (worker,), worker, role).inc()
-        self.prompt_tokens.inc(len(job.prompt_token_ids))
+        self._per_worker(self.prompt_tokens, (prefilling,), prefilling).inc(len(job.prompt_token_ids))
         self.prefix_tokens.observe(len(job.prompt_token_ids))
         self._per_worker(self.estimated_reused, (prefilling,), prefilling).inc(record.predicted_reused_tokens)
         self._per_worker(self.cached_tokens, (prefilling,), prefilling).inc(handoff.prefill_cached_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
+        if plan.estimate is not None and plan.estimate.ttft > 0 and record.actual.ttft is not None:
+            self.ttft_estimate_ratio.labels(record.policy).observe(record.actual.ttft / plan.estimate.ttft)
 
     def observe_rate_limited(self, tenant: str) -> None:
         self.rate_limited.labels(tenant).inc()
@@ -112,9 +131,7 @@ class Metrics:
             self.workers.labels(role).set(len(workers))
             self.draining_workers.labels(role).set(len(fleet.draining(role)))
             for worker in workers:
-                self._per_worker(self.index_blocks, (worker.worker_id,), worker.worker_id).set(
-                    index.num_blocks(worker.worker_id))
-                self._export_evictions(worker.worker_id, index.num_evicted(worker.worker_id))
+                self._export_worker(worker, index)
         self._forget_departed({worker.worker_id for worker in fleet.registry.live()})
         # From the breakers, not the live workers: an open breaker is what takes a worker out of them.
         states = fleet.breakers.states(time.monotonic())
@@ -123,6 +140,17 @@ class Metrics:
         for gone in self._breakers_exported - states.keys():  # a worker marked down or restarted
             self.breaker_state.remove(gone)
         self._breakers_exported = set(states)
+
+    def _export_worker(self, worker, index) -> None:
+        worker_id = worker.worker_id
+        self._per_worker(self.index_blocks, (worker_id,), worker_id).set(index.num_blocks(worker_id))
+        self._per_worker(self.worker_waiting, (worker_id,), worker_id).set(worker.load.num_waiting)
+        self._per_worker(self.worker_queued_prefill_tokens, (worker_id,), worker_id).set(
+            worker.load.num_queued_prefill_tokens)
+        # Counters of rare events start at 0, so the first one shows in rate() and increase().
+        for rare in (self.index_mispredictions, self.claim_misses):
+            self._per_worker(rare, (worker_id,), worker_id)
+        self._export_evictions(worker_id, index.num_evicted(worker_id))
 
     def _export_evictions(self, worker_id: str, evicted: int) -> None:
         exported = self._evictions_exported.get(worker_id, 0)

@@ -152,10 +152,13 @@ class CompletionService:
             # Re-plan when a request here finishes, or at the latest when new heartbeats
             # may have arrived: room can also come from work other replicas finished.
             self._capacity_freed.clear()
+            self.metrics.awaiting_capacity.inc()
             try:
                 await asyncio.wait_for(self._capacity_freed.wait(), min(remaining, ADMISSION_REPLAN_SECONDS))
             except TimeoutError:
                 pass
+            finally:
+                self.metrics.awaiting_capacity.dec()
 
     def plan(self, job: Job, excluded: set[str] = frozenset()) -> tuple[Decision, DecisionRecord | None]:
         """``excluded``: workers that already failed this job (the registry may not know yet)."""
