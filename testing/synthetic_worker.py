@@ -7,13 +7,16 @@ by the orchestrator's own work, not by engine jitter. Generated token ids are a 
 function of the prompt and position (deterministic, checkable). It reports the model
 fingerprint of ``--model``, so an orchestrator serving that model accepts it. It holds
 no KV cache: a prefill's pull source names a lease nobody serves, and a decode ignores
-it, as a real consumer would after a failed pull.
+it, as a real consumer would after a failed pull; or, with ``--pull-bytes-per-second``, it
+acts out the pull: it waits as long as the prompt's blocks would take at that speed and
+reports the pull (bytes and seconds) as a real consumer's connector does, so that the
+orchestrator's transfer metrics and link calibration see traffic.
 
 Usage::
 
     python -m testing.synthetic_worker --role prefill --model DIR --orchestrator tcp://HOST:PORT
         [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--drain-seconds 30]
-        [--ready-file PATH]
+        [--pull-bytes-per-second 0] [--ready-file PATH]
 
 SIGTERM drains it as it drains a real worker (``worker.drain``); SIGINT stops it.
 
@@ -66,6 +69,7 @@ STEP_SECONDS = 0.1  # longest synthetic engine step: a longer prefill takes seve
 class SyntheticTiming:
     prefill_seconds_per_token: float = 0.0001
     token_seconds: float = 0.005  # per output token after the first
+    pull_bytes_per_second: float = 0.0  # 0: a decode ignores its pull source
 
 
 def synthetic_next_token(context: list[int]) -> int:
@@ -97,6 +101,7 @@ class SyntheticEngine:
     timing: SyntheticTiming
     transfer_address: str
     failing: bool = False  # failure injection: every generate raises (see the module docstring)
+    pulls: dict[str, wire.PullRecord] = field(default_factory=dict)  # acted-out pulls, until reported
     last_step_end: float = field(default_factory=time.monotonic)
     _running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while hanging
 
@@ -131,6 +136,8 @@ class SyntheticEngine:
             await self._step(min(prefill, STEP_SECONDS))
             prefill -= STEP_SECONDS
         transfer = (params.extra_args or {}).get("kv_transfer_params", {}).get(PARAMS_KEY, {})
+        if transfer.get("pull_from") and self.timing.pull_bytes_per_second > 0:
+            await self._act_out_pull(request_id, wire.from_dict(transfer["pull_from"], wire.PullSource))
         for position in range(params.max_tokens):
             if position:
                 await self._step(self.timing.token_seconds)
@@ -141,6 +148,12 @@ class SyntheticEngine:
             if last and transfer.get("hold_blocks"):
                 output.kv_transfer_params = {PARAMS_KEY: {"pull_source": wire.to_dict(self._source(prompt))}}
             yield output
+
+    async def _act_out_pull(self, request_id: str, source: wire.PullSource) -> None:
+        num_bytes = -(-source.num_tokens // source.block_size) * BYTES_PER_BLOCK
+        seconds = num_bytes / self.timing.pull_bytes_per_second
+        await asyncio.sleep(seconds)
+        self.pulls[request_id] = wire.PullRecord(request_id, source.address, num_bytes, seconds, ok=True)
 
     def _source(self, prompt: dict) -> wire.PullSource:
         tokens = prompt["prompt_token_ids"]
@@ -185,8 +198,8 @@ class SyntheticWorker:
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
         return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=0)
 
-    async def transfer_of(self, request_id: str) -> None:
-        return None
+    async def transfer_of(self, request_id: str) -> wire.PullRecord | None:
+        return self.engine.pulls.pop(request_id, None)
 
     async def run(self) -> None:
         signals = StopSignals()
@@ -216,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token-seconds", type=float, default=SyntheticTiming.token_seconds)
     parser.add_argument("--drain-seconds", type=float, default=WorkerSettings.drain_seconds,
                         help="on SIGTERM, wait this long at most for running requests (default: %(default)s)")
+    parser.add_argument("--pull-bytes-per-second", type=float, default=SyntheticTiming.pull_bytes_per_second,
+                        help="a decode acts out the pull of its prompt's blocks at this speed and reports it "
+                             "(default: %(default)s, ignore pull sources)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
     zmq_auth.add_security_arguments(parser)
     return parser.parse_args(argv)
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                                   args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
                               worker_id=args.worker_id, drain_seconds=args.drain_seconds)
-    timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds)
+    timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds, args.pull_bytes_per_second)
     try:
         asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
     finally:
