@@ -8,7 +8,12 @@ PYTEST_ARGS ?= --durations=25
 
 .PHONY: setup serve lint test test-fast test-unit test-contract test-integration test-e2e model clean
 
+# Debian's prometheus package gives the integration tests `prometheus` and `promtool`; checked on
+# every run, as it lives outside the venv. The tests start their own server (own config, temporary
+# storage, a free loopback port), so a system service the package started is stopped and disabled.
 setup: $(STAMP)
+	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+		--no-install-recommends prometheus && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
 
 # Re-runs only when the dependencies change; a second `make setup` does nothing.
 $(STAMP): pyproject.toml
