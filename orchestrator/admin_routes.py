@@ -54,7 +54,7 @@ def admin_routers(context: ApiContext) -> list[APIRouter]:
             "time": now, "model": context.model_name, "policy": service.default_policy,
             "workers": describe_workers(service.fleet, service.index, model.prefill_speed),
             "unavailable": describe_unavailable(service.fleet, monotonic),
-            "decisions": service.decisions.recent(decisions),  # dataclasses: msgspec encodes them at C speed
+            "decisions": service.decisions.recent(decisions),  # msgspec encodes the dataclasses, no asdict copy
             "activity": service.activity.summary(now)},
             headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
