@@ -8,12 +8,16 @@ PYTEST_ARGS ?= --durations=25
 
 .PHONY: setup serve lint test test-fast test-unit test-contract test-integration test-e2e model clean
 
-# Debian's prometheus package gives the integration tests `prometheus` and `promtool`; checked on
-# every run, as it lives outside the venv. The tests start their own server (own config, temporary
-# storage, a free loopback port), so a system service the package started is stopped and disabled.
+# Debian packages the integration tests need, checked on every run as they live outside the venv:
+# `prometheus` and `promtool` (the dashboard's queries and the alert rules; the tests start their
+# own server, so a system service the package started is stopped and disabled) and headless
+# Chromium (the status page's browser test). Where Chromium cannot be installed (not root, not
+# Debian), setup goes on and that test fails saying so.
 setup: $(STAMP)
 	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
 		--no-install-recommends prometheus && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium) \
+		|| echo "warning: could not install chromium; tests/integration/test_status_page.py needs it"
 
 # Re-runs only when the dependencies change; a second `make setup` does nothing.
 $(STAMP): pyproject.toml

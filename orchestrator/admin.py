@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import msgspec
 
 from foundation.wire import ROLES
+from orchestrator.circuit_breaker import BreakerState
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
 from orchestrator.index_sync import IndexSync
@@ -25,6 +26,26 @@ def describe_workers(fleet: Fleet, index: PrefixIndex, prefill_speed: Mapping[st
              "prefill_speed": prefill_speed.get(w.worker_id), "cores": msgspec.to_builtins(w.cores),
              "load": msgspec.to_builtins(w.load)}
             for role in ROLES for w in (*fleet.live(role), *fleet.draining(role))]
+
+
+def describe_unavailable(fleet: Fleet, now: float) -> list[dict]:
+    """Heartbeating workers that ``describe_workers`` leaves out because a fault took them out
+    of rotation: their RPC connection broke, or their circuit breaker is not closed (open, or
+    half-open with its probe request running)."""
+    shown = {w.worker_id for role in ROLES for w in (*fleet.live(role), *fleet.draining(role))}
+    breakers = fleet.breakers.states(now)
+    return [{"worker_id": w.worker_id, "role": w.role, "draining": w.draining,
+             "reason": _why_unavailable(fleet, w.worker_id, breakers.get(w.worker_id))}
+            for role in ROLES for w in fleet.registry.live(role) if w.worker_id not in shown]
+
+
+def _why_unavailable(fleet: Fleet, worker_id: str, breaker: BreakerState | None) -> str:
+    client = fleet.client(worker_id)
+    if client is None or client.connection_lost:
+        return "unreachable"
+    if breaker is BreakerState.HALF_OPEN:
+        return "breaker half-open, probing"
+    return "breaker open" if breaker is BreakerState.OPEN else "out of rotation"
 
 
 async def reset_all_caches(fleet: Fleet, index_sync: IndexSync, roles: tuple[str, ...] = ROLES) -> list[dict]:

@@ -318,10 +318,11 @@ async def _merged(service, jobs, outcomes) -> AsyncIterator[tuple[int, Delta, bo
 _json = msgspec.json.Encoder()
 
 
-def json_response(payload: dict) -> Response:
+def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:
     """A JSON response encoded once by msgspec. A dict returned from a route would go
-    through FastAPI's jsonable_encoder first, which walks it in Python on every request."""
-    return Response(_json.encode(payload), media_type="application/json")
+    through FastAPI's jsonable_encoder first, which walks it in Python on every request;
+    and msgspec writes a non-finite float as null, which every JSON parser reads."""
+    return Response(_json.encode(payload), media_type="application/json", headers=headers)
 
 
 def _event(payload: dict) -> bytes:

@@ -41,8 +41,8 @@ logger = logging.getLogger("kvroute.orchestrator")
 
 @dataclass(frozen=True)
 class OrchestratorApps:
-    """The API app, and the admin app when ``/admin`` and ``/metrics`` have a listener of
-    their own (None: they are routes of the API app). Both share one ``state``."""
+    """The API app, and the admin app when ``/admin``, ``/metrics`` and ``/ui`` have a listener
+    of their own (None: they are routes of the API app). Both share one ``state``."""
 
     api: FastAPI
     admin: FastAPI | None = None
@@ -76,7 +76,7 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
     service = CompletionService(fleet, codec, policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds, settings.admission_wait_seconds,
-                                settings.max_attempts, settings.queue_wait_limit_seconds)
+                                settings.max_attempts, settings.queue_wait_limit_seconds, settings.recent_activity())
     model_name = settings.served_model_name or Path(model_path).name
 
     @asynccontextmanager

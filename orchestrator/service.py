@@ -48,6 +48,7 @@ from orchestrator.planner.candidates import load_key
 from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 from orchestrator.queue_patience import QueuePatience
+from orchestrator.recent_activity import RecentActivity
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
 
@@ -125,8 +126,9 @@ class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
                  worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3,
-                 queue_wait_limit: float = 600.0):
+                 queue_wait_limit: float = 600.0, activity: RecentActivity | None = None):
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
+        self.activity = activity or RecentActivity()  # the status page's last minutes
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
         self.worker_timeout = worker_timeout
@@ -417,6 +419,8 @@ class CompletionService:
             actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
         if client_facing:
             self.metrics.observe_request(job, plan, handoff, record)
+            self.activity.observe(time.time(), record.prompt_tokens, actual.reused_tokens, actual.ttft,
+                                  failed=actual.error is not None)
         prefilling = self.fleet.registry.get(plan.prefilling_worker)
         self.feedback.observe(plan, record, idle_at_start, prefilling.role if prefilling else None)
         self.decisions.finish(record)

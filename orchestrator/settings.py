@@ -13,6 +13,7 @@ from orchestrator.pending_blocks import PendingSettings
 from orchestrator.planner.policies import POLICIES
 from orchestrator.planner.settings import PlannerSettings
 from orchestrator.rate_limit import RateLimit
+from orchestrator.recent_activity import RecentActivity
 from orchestrator.retry import RetryPolicy
 
 
@@ -82,8 +83,8 @@ class OrchestratorSettings:
     allow_unauthenticated: bool = setting(False, "serve without api_keys on a host other than loopback (every "
                                                  "client is then an admin); without it such a start is refused")
     admin_host: str = setting("127.0.0.1", "interface of the separate admin listener (only with admin_port)")
-    admin_port: int = setting(0, "port of a separate listener for /admin/* and /metrics, which the API port "
-                                 "then no longer serves; 0: both on the API port")
+    admin_port: int = setting(0, "port of a separate listener for /admin/*, /metrics and the status page "
+                                 "/ui, which the API port then no longer serves; 0: all on the API port")
     tenant_rate_limit: float = setting(0.0, "completion prompts per second each tenant may send (a token bucket "
                                             "per tenant; a chat request is one prompt, a /v1/completions request "
                                             "one per prompt; over it: 429 and the seconds to wait); a key's "
@@ -102,6 +103,10 @@ class OrchestratorSettings:
                                                   "request's first byte, is closed")
     max_header_bytes: int = setting(65536, "largest request head (request line and headers); beyond it the "
                                            "request gets 431 and the connection is closed")
+    status_window_seconds: float = setting(300.0, "how far back the status page (/ui, /admin/status) shows TTFT "
+                                                  "and hit rate")
+    status_bucket_seconds: float = setting(10.0, "the status page's time resolution: requests are summed in "
+                                                 "buckets this long (memory: window / bucket buckets)")
     log_level: str = setting("info", "log level: debug, info, warning, error")
     access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
                                       "already gets one on kvroute.decisions")
@@ -115,7 +120,7 @@ class OrchestratorSettings:
             raise ValueError("registry_max_frame_bytes must be at least 4096 and max_workers at least 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        self.breaker_settings(), self.retry_policy()  # their own checks, at start-up
+        self.breaker_settings(), self.retry_policy(), self.recent_activity()  # their own checks, at start-up
         if not (0 <= self.tenant_rate_limit < math.inf) or self.tenant_burst < 0:
             raise ValueError("tenant_rate_limit and tenant_burst must be finite and not negative")
         if self.max_model_len < 2:
@@ -169,6 +174,9 @@ class OrchestratorSettings:
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(attempts=self.rpc_retry_attempts, base_delay_seconds=self.rpc_retry_base_seconds)
+
+    def recent_activity(self) -> RecentActivity:
+        return RecentActivity(self.status_window_seconds, self.status_bucket_seconds)
 
     def default_rate_limit(self) -> RateLimit | None:
         """The limit of every tenant whose keys set none; None: not limited."""
