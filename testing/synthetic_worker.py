@@ -49,7 +49,7 @@ from pathlib import Path
 from foundation import wire, zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context
-from transfer.connector_scheduler import PARAMS_KEY, prompt_digest
+from transfer.request_params import PARAMS_KEY, prompt_digest
 from worker.drain import Drain, StopSignals, serve_until_stopped
 from worker.heartbeat import HeartbeatSender, heartbeat_of
 from worker.queued_prefill import head_prompt_age, queued_prefill

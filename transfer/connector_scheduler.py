@@ -19,7 +19,6 @@ Everything here is bookkeeping; all I/O happens in the worker half.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import secrets
@@ -28,26 +27,13 @@ from typing import Any
 from foundation import wire
 from transfer.free_queue import demote
 from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
+from transfer.request_params import PARAMS_KEY, kvroute_params, prompt_digest
 from transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("kvroute.transfer.scheduler")
 
-PARAMS_KEY = "kvroute"
 HANDLE_BYTES = 16  # 128 random bits: a handle is the only credential for tenant data
 MAX_PENDING_DEMOTIONS = 4096  # ended requests whose pulled blocks wait to be demoted; older ones are dropped
-
-
-def prompt_digest(token_ids: list[int], cache_salt: str | None) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update((cache_salt or "").encode())
-    digest.update(b"\x00")
-    digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
-    return digest.hexdigest()
-
-
-def kvroute_params(request: Any) -> dict:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    return params.get(PARAMS_KEY) or {}
 
 
 class ConnectorScheduler:

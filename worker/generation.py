@@ -7,7 +7,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from foundation import wire
-from transfer.connector_scheduler import PARAMS_KEY
+from transfer.request_params import PARAMS_KEY
 
 
 def sampling_params(request: wire.GenerateRequest) -> SamplingParams:

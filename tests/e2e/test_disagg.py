@@ -41,10 +41,10 @@ from tests.e2e.disagg import (
     question,
     transfer_delta,
 )
-from transfer.connector_scheduler import prompt_digest
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache
 from transfer.leases import Lease, LeaseTable
+from transfer.request_params import prompt_digest
 from worker.queued_prefill import QueuedPrompt
 from worker.resident import ResidentBlocks
 from worker.settings import default_long_prefill_tokens

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from vllm.v1.request import RequestStatus
 
-from transfer.connector_scheduler import PARAMS_KEY, ConnectorScheduler
+from transfer.connector_scheduler import ConnectorScheduler
+from transfer.request_params import PARAMS_KEY
 from transfer.settings import ConnectorSettings
 
 BLOCK_SIZE = 4

@@ -20,8 +20,8 @@ from tests.unit.connector_requests import (
     new_scheduler,
     produce,
 )
-from transfer.connector_scheduler import PARAMS_KEY, prompt_digest
 from transfer.metadata import LeaseGrant, LoadSpec
+from transfer.request_params import PARAMS_KEY, prompt_digest
 
 # ---------------------------------------------------------------- producer
 
