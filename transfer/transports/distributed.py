@@ -21,7 +21,9 @@ alongside it.
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 from datetime import timedelta
 
 import torch
@@ -180,6 +182,23 @@ class DistributedReceiver(_GroupEnd, Receiver):
         self._ring = []
 
 
+def _listener(host: str) -> tuple[int, int]:
+    """A listening socket on ``host`` alone, and its port, for the rendezvous store to own:
+    a store that binds by itself listens on every interface, so anyone on any network the
+    worker reaches could join the group while the link opens (docs/security.md). The store
+    takes the descriptor over (libuv's store cannot, hence ``use_libuv=False``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        return listener.detach(), port
+    except OSError:
+        listener.close()
+        raise
+
+
 class DistributedBackend:
     def __init__(self, name: str):
         self.name = name  # "gloo" or "nccl": the same code, named by the device it serves
@@ -190,8 +209,13 @@ class DistributedBackend:
         return dist.is_nccl_available() if self.name == "nccl" else dist.is_gloo_available()
 
     def host(self, options: LinkOptions, deadline: float) -> HostedLink:
-        store = TCPStore(options.settings.host, 0, 2, True, _timeout(deadline, "the rendezvous store"),
-                         wait_for_workers=False)
+        listener, port = _listener(options.settings.host)
+        try:
+            store = TCPStore(options.settings.host, port, 2, True, _timeout(deadline, "the rendezvous store"),
+                             wait_for_workers=False, master_listen_fd=listener, use_libuv=False)
+        except BaseException:
+            os.close(listener)
+            raise
         name = secrets.token_hex(8)
         address = f"{options.settings.host}:{store.port}/{name}"
 
