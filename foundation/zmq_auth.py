@@ -84,25 +84,31 @@ def configure_from_flags(cluster_keys: str, insecure_no_auth: bool, identity: st
     return configure(None if insecure_no_auth else load(cluster_keys), identity, transfer_encryption)
 
 
+def _environment() -> tuple[str, bool, str]:
+    """The key folder, ``--insecure-no-auth`` and ``--transfer-encryption`` the environment
+    gives (``KVROUTE_CLUSTER_KEYS``, ``KVROUTE_INSECURE_NO_AUTH``, ``KVROUTE_TRANSFER_ENCRYPTION``),
+    read alike for flags' defaults and for processes without flags."""
+    insecure = os.environ.get("KVROUTE_INSECURE_NO_AUTH", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("KVROUTE_CLUSTER_KEYS", ""), insecure, os.environ.get("KVROUTE_TRANSFER_ENCRYPTION", "on")
+
+
 def configure_from_environment(identity: str) -> Security:
-    """``configure`` from ``KVROUTE_CLUSTER_KEYS``/``KVROUTE_INSECURE_NO_AUTH``: for helper
-    processes that take no flags (a spawned child, a benchmark's in-process servers)."""
-    return configure_from_flags(os.environ.get("KVROUTE_CLUSTER_KEYS", ""),
-                                os.environ.get("KVROUTE_INSECURE_NO_AUTH", "") not in ("", "0", "false"), identity,
-                                os.environ.get("KVROUTE_TRANSFER_ENCRYPTION", "on") != "off")
+    """``configure`` from the environment alone: for helper processes that take no flags (a
+    spawned child, a benchmark's in-process servers)."""
+    keys, insecure, encryption = _environment()
+    return configure_from_flags(keys, insecure, identity, encryption != "off")
 
 
 def add_security_arguments(parser) -> None:
     """The flags of every process that speaks ZeroMQ (orchestrator, workers)."""
-    parser.add_argument("--cluster-keys", default=os.environ.get("KVROUTE_CLUSTER_KEYS", ""),
+    keys, insecure, encryption = _environment()
+    parser.add_argument("--cluster-keys", default=keys,
                         help="the cluster's key folder (`kvroute keys init DIR`): every ZeroMQ socket is "
                              "authenticated and encrypted with it (env KVROUTE_CLUSTER_KEYS)")
-    parser.add_argument("--insecure-no-auth", action="store_true",
-                        default=os.environ.get("KVROUTE_INSECURE_NO_AUTH", "") not in ("", "0", "false"),
+    parser.add_argument("--insecure-no-auth", action="store_true", default=insecure,
                         help="no cluster keys: ZeroMQ sockets in clear, open to anyone who reaches them; "
                              "only on a network nobody else can reach (env KVROUTE_INSECURE_NO_AUTH)")
-    parser.add_argument("--transfer-encryption", choices=("on", "off"),
-                        default=os.environ.get("KVROUTE_TRANSFER_ENCRYPTION", "on"),
+    parser.add_argument("--transfer-encryption", choices=("on", "off"), default=encryption,
                         help="off: KV bytes travel in clear and transfer endpoints accept any peer, for fabrics "
                              "nobody else can reach (CURVE costs ~4x on loopback bulk copies; the same-host "
                              "shared-memory path is unaffected); set it alike on every process of the cluster "
