@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from foundation import wire, zmq_auth
+from foundation.log_limits import PeerWarnings
 from foundation.netutil import async_context
 from foundation.zmq_auth import peer_role, secure_server
 from worker.generation import engine_prompt, sampling_params, to_chunk
@@ -58,6 +59,7 @@ class RpcServer:
         # draining producer compares this with the grants to know none is still on its way.
         self.num_pull_sources_sent = 0
         self._refused_peers = 0  # messages from members that are not an orchestrator
+        self._peer_warnings = PeerWarnings(logger)
         self._idle = asyncio.Event()  # set while no generate runs
         self._idle.set()
 
@@ -96,9 +98,8 @@ class RpcServer:
         if role == "orchestrator":
             return True
         self._refused_peers += 1
-        if self._refused_peers in (1, 10, 100, 1000) or self._refused_peers % 10_000 == 0:
-            logger.warning("refused %d RPC message(s) from a %s key: only an orchestrator may use a worker's RPC",
-                           self._refused_peers, role)
+        self._peer_warnings.warn(f"a {role} key", "refused an RPC message: only an orchestrator may use a "
+                                 "worker's RPC (%d refused in all)", self._refused_peers)
         return False
 
     async def close(self) -> None:
@@ -116,7 +117,7 @@ class RpcServer:
                 raise wire.WireError(f"expected one frame, got {len(frames)}")
             message = wire.decode(frames[0])
         except wire.WireError as error:
-            logger.warning("malformed RPC frame: %s", error)
+            self._peer_warnings.warn(f"connection {identity.hex()}", "malformed RPC frame: %s", error)
             request_id = wire.peek_request_id(frames[0]) if len(frames) == 1 else None
             await self._send(identity, wire.ErrorReply(request_id=request_id, code="bad_request",
                                                        message=str(error)))

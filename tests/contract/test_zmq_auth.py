@@ -121,7 +121,7 @@ async def test_a_worker_rpc_answers_no_outsider(rpc_server, how):
         intruder.close(linger=0)
 
 
-async def test_a_worker_key_may_not_use_a_worker_rpc_but_the_orchestrator_may(rpc_server):
+async def test_a_worker_key_may_not_use_a_worker_rpc_but_the_orchestrator_may(rpc_server, caplog):
     peer = outsider(async_context().socket(zmq.DEALER), "as worker", "worker")
     peer.connect(rpc_server)
     orchestrator = secure_client(async_context().socket(zmq.DEALER), "worker")
@@ -134,6 +134,9 @@ async def test_a_worker_key_may_not_use_a_worker_rpc_but_the_orchestrator_may(rp
         await orchestrator.send(wire.encode(wire.StatsRequest(request_id="s2")))
         reply = wire.decode(await asyncio.wait_for(orchestrator.recv(), 5))
         assert isinstance(reply, wire.WorkerStats) and reply.request_id == "s2"
+        # Three refusals, one line: a member looping on the RPC cannot fill the log.
+        refusals = [r for r in caplog.records if "refused an RPC message" in r.getMessage()]
+        assert len(refusals) == 1 and "a worker key" in refusals[0].getMessage()
     finally:
         peer.close(linger=0)
         orchestrator.close(linger=0)
