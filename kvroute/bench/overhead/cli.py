@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
         }
         out_file.write_text(json.dumps(results, indent=2))
         print_report(results)
-        console.print(f"results: {out_file}")
     finally:
         code = stack.stop()
         console.print(f"stack stopped (exit code {code})")
