@@ -64,7 +64,7 @@ async def first_token_seconds(client: WorkerClient, prompt: list[int]) -> float:
 
 
 async def probe_layout(own_session: bool, repeats: int, log_dir: Path) -> dict[str, list[float]]:
-    model = resolve_model(None)
+    model = resolve_model(None, progress=True)
     workers = [launch_worker(role, ["--model", model, *ENGINE_ARGS, "--omp-threads-bind", core], log_dir,
                              own_session=own_session) for role, core in LAYOUT]
     try:

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def start_stack(args: argparse.Namespace, log_path: Path):
     extra = ["--policy", "cache_aware", *args.serve_args.split()]
     if args.engine == "synthetic":
-        return SyntheticStack(resolve_model(None), log_path, extra, args.token_seconds)
+        return SyntheticStack(resolve_model(None, progress=True), log_path, extra, args.token_seconds)
     return Stack(None, log_path, ["--dtype", "auto", *extra])
 
 

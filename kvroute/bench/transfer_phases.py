@@ -71,7 +71,7 @@ class Phases:
         from foundation.model_prep import resolve_model
         from worker.dtype import resolve_here
 
-        model = resolve_model(self.settings.model or None)
+        model = resolve_model(self.settings.model or None, progress=True)
         dtype = resolve_here(self.settings.dtype)
         if not self.settings.engine:
             from kvroute.bench.transfer_recompute import kv_bytes_from_model

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     log_dir = output / "logs"
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, progress=True)
     console.log(f"model: {model}")
     # SIGTERM → SystemExit, so the finally below still stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -95,8 +95,8 @@ def ms(value: float | None) -> str:
 def start_stack(log_path: Path, args: argparse.Namespace) -> Stack | SyntheticStack:
     if args.engine == "synthetic":
         from foundation.model_prep import resolve_model
-        return SyntheticStack(resolve_model(None), log_path, ["--policy", args.policy, *args.serve_args.split()],
-                              args.token_seconds)
+        return SyntheticStack(resolve_model(None, progress=True), log_path,
+                              ["--policy", args.policy, *args.serve_args.split()], args.token_seconds)
     return Stack(None, log_path, ["--dtype", args.dtype, "--policy", args.policy, *args.serve_args.split()])
 
 
