@@ -61,7 +61,11 @@ def live_bars(enabled: bool) -> Iterator[None]:
 # The display drawn in place now, if any: a bar opened within another's block adds a row to it.
 # Written only by ``Bar.__enter__`` and ``Bar.__exit__`` of the bar that started it.
 _shown_progress: ContextVar[Progress | None] = ContextVar("kvroute_bench_progress", default=None)
-_COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+
+
+def _columns() -> tuple:
+    """A display's columns; new ones per display, as columns cache what they drew per task id."""
+    return (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
             TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[errors]}"))
 
 
@@ -102,16 +106,15 @@ class Bar:
         self._progress: Progress | None = None
         self._owns_progress = False
         self._task = None
-        self._token = None
 
     def __enter__(self) -> Bar:
         if draws_in_place(self.console):
             self._progress = _shown_progress.get()
             if self._progress is None:
-                self._progress = Progress(*_COLUMNS, console=self.console, auto_refresh=self.redraw)
+                self._progress = Progress(*_columns(), console=self.console, auto_refresh=self.redraw)
                 self._owns_progress = True
                 self._progress.start()
-                self._token = _shown_progress.set(self._progress)
+                _shown_progress.set(self._progress)
             self._task = self._progress.add_task(self.description, total=self.total, unit=self.unit,
                                                  errors=self._errors_text())
         return self
@@ -120,7 +123,8 @@ class Bar:
         if self._in_step and error_type is None:
             self.advance()
         if self._owns_progress:
-            _shown_progress.reset(self._token)
+            # Not a token's reset: a generator's bar (``track``) may be closed from another context.
+            _shown_progress.set(None)
             self._progress.stop()
         elif self._progress is not None:
             self._progress.remove_task(self._task)
