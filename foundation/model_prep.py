@@ -16,10 +16,11 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from foundation.cache_dir import default_cache_dir
 
@@ -62,8 +63,11 @@ def _sha256(path: Path) -> str:
 
 @contextmanager
 def _progress_steps(enabled: bool):
-    """Yield a `step(name)` context: a rich bar for people, log lines for machines."""
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    """Yield a `step(name)` context: for people a rich bar with the time so far, and a line per
+    finished step with its seconds (also where the output is not a terminal); log lines for
+    machines."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
     with Progress(*columns, disable=not enabled) as bar:
         task = bar.add_task(DEFAULT_MODEL_NAME, total=len(STEPS))
 
@@ -71,8 +75,12 @@ def _progress_steps(enabled: bool):
         def step(name: str):
             logger.info("preparing %s: %s", DEFAULT_MODEL_NAME, name)
             bar.update(task, description=f"{DEFAULT_MODEL_NAME}: {name}")
+            started = time.monotonic()
             yield
             bar.advance(task)
+            if enabled:
+                bar.console.print(f"{DEFAULT_MODEL_NAME}: {name} done in {time.monotonic() - started:.1f} s",
+                                  highlight=False)
 
         yield step
 

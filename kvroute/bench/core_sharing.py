@@ -30,10 +30,13 @@ import time
 import uuid
 from pathlib import Path
 
+from rich.console import Console
+
 from foundation import wire
 from foundation.launcher import launch_worker, stop_all
 from foundation.model_prep import resolve_model
 from kvroute.bench.command import Command
+from kvroute.bench.progress import track
 from orchestrator.worker_client import WorkerClient
 
 ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.3", "--max-model-len", "4096"]
@@ -61,7 +64,7 @@ async def first_token_seconds(client: WorkerClient, prompt: list[int]) -> float:
 
 
 async def probe_layout(own_session: bool, repeats: int, log_dir: Path) -> dict[str, list[float]]:
-    model = resolve_model(None)
+    model = resolve_model(None, progress=True)
     workers = [launch_worker(role, ["--model", model, *ENGINE_ARGS, "--omp-threads-bind", core], log_dir,
                              own_session=own_session) for role, core in LAYOUT]
     try:
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     report = {}
-    for name, own_session in (("own sessions", True), ("launcher's session", False)):
+    layouts = (("own sessions", True), ("launcher's session", False))
+    for name, own_session in track(layouts, "worker layouts", Console(), name=lambda layout: layout[0]):
         runs = asyncio.run(probe_layout(own_session, args.repeats, output / "workers"))
         medians = {label: statistics.median(times) for label, times in runs.items()}
         report[name] = {"seconds": runs, "median_seconds": medians,

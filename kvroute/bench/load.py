@@ -38,6 +38,7 @@ from rich.console import Console
 
 from foundation.model_prep import resolve_model
 from kvroute.bench.command import Command
+from kvroute.bench.progress import Bar
 from simulator.records import percentile
 from testing.stack import Stack, SyntheticStack
 
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def start_stack(args: argparse.Namespace, log_path: Path):
     extra = ["--policy", "cache_aware", *args.serve_args.split()]
     if args.engine == "synthetic":
-        return SyntheticStack(resolve_model(None), log_path, extra, args.token_seconds)
+        return SyntheticStack(resolve_model(None, progress=True), log_path, extra, args.token_seconds)
     return Stack(None, log_path, ["--dtype", "auto", *extra])
 
 
@@ -159,18 +160,24 @@ async def exercise(args: argparse.Namespace, stack) -> dict:
     """Latency before, capacity, the overload, the drain, latency after; what came back."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=stack.url, limits=limits) as client:
-        before = [await one_request(client, i, args.max_tokens) for i in range(args.after)]
-        rate = await capacity(client, args)
-        offered = rate * args.overload
-        console.print(f"capacity {rate:.1f} req/s; offering {offered:.1f} req/s for {args.seconds:.0f} s")
-        memory: list = []
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_memory(stack.process.pid, memory, stop))
-        results = await overload(client, offered, args)
-        drain_s = await drained(stack.url)
-        stop.set()
-        await sampler
-        after = [await one_request(client, i, args.max_tokens) for i in range(args.after)]
+        with Bar(console, "load test", 5) as phase:
+            phase.step(f"{args.after} requests before the load")
+            before = [await one_request(client, i, args.max_tokens) for i in range(args.after)]
+            phase.step(f"capacity, {args.capacity_seconds:.0f} s")
+            rate = await capacity(client, args)
+            offered = rate * args.overload
+            console.print(f"capacity {rate:.1f} req/s; offering {offered:.1f} req/s for {args.seconds:.0f} s")
+            phase.step(f"overload, {args.seconds:.0f} s")
+            memory: list = []
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_memory(stack.process.pid, memory, stop))
+            results = await overload(client, offered, args)
+            phase.step("drain")
+            drain_s = await drained(stack.url)
+            stop.set()
+            await sampler
+            phase.step(f"{args.after} requests after the load")
+            after = [await one_request(client, i, args.max_tokens) for i in range(args.after)]
     statuses: dict[str, int] = {}
     for result in results:
         statuses[str(result["status"])] = statuses.get(str(result["status"]), 0) + 1

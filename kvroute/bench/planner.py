@@ -41,6 +41,7 @@ from rich.table import Table
 from foundation import wire
 from foundation.kv_events import StoredBlockRecord
 from kvroute.bench.command import Command
+from kvroute.bench.progress import track
 from orchestrator.decisions import DecisionLog
 from orchestrator.fleet import Fleet
 from orchestrator.index import PrefixIndex
@@ -185,13 +186,13 @@ def run(args: argparse.Namespace) -> int:
     for column in ("workers", "policy", "on demand p50 (ms)", "p99", "eager p50 (ms)", "p99",
                    "eager / on demand", "views built"):
         table.add_column(column, justify="right")
-    for size in args.sizes:
+    for size in track(args.sizes, "fleet sizes", console, name=lambda size: f"{2 * size} workers", redraw=False):
         service, prefixes = build_fleet(size, args.prefix_tokens, rng)
         jobs = [Job(prompt_token_ids=rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(40)],
                     sampling=wire.SamplingSpec(max_tokens=16), cache_salt=SALT, request_id=f"r{n}")
                 for n in range(args.requests)]
         per_policy = results["sizes"][str(2 * size)] = {}
-        for policy in args.policies:
+        for policy in track(args.policies, "policies", console, redraw=False):
             timing = per_policy[policy] = time_policy(service, jobs, policy)
             table.add_row(str(2 * size), policy, *(f"{timing[mode][q]:.2f}" for mode in ("on_demand", "eager")
                                                    for q in ("p50_ms", "p99_ms")),
@@ -199,7 +200,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "results.json").write_text(json.dumps(results, indent=2))
-    console.print(f"wrote {args.output / 'results.json'}")
     return 0
 
 

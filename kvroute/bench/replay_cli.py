@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from foundation import config
 from foundation.config import setting
+from kvroute.bench.progress import closing_report, request_bar
 from kvroute.bench.replay import REQUEST_TIMEOUT_S, ReplayItem, ReplayTarget, Row, replay
 from kvroute.bench.replay_report import ms, summary_table
 from kvroute.bench.replay_results import ratios, row_dict, summarize
@@ -56,6 +56,7 @@ class ReplaySettings:
     reset_cache: bool = setting(True, "empty every cache before each policy, where the server allows it")
     request_timeout: float = setting(float(REQUEST_TIMEOUT_S),
                                      "seconds a response may fall silent before the client records a timeout")
+    progress: bool = setting(True, "progress bars redrawn in place on a terminal (--no-progress: plain lines)")
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -89,7 +90,8 @@ def run(settings: ReplaySettings) -> int:
         console.width = 160
     server = ReplayServer(settings.url, settings.api_key)
     try:
-        return _run(settings, server, console)
+        with closing_report(settings.output, settings.progress, console):
+            return _run(settings, server, console)
     except ReplayError as error:
         console.print(f"[red]kvroute bench replay: {error}[/]", highlight=False)
         return 2
@@ -137,7 +139,6 @@ def _run(settings: ReplaySettings, server: ReplayServer, console: Console) -> in
     if summaries:
         console.print(summary_table(summaries, list(labels.values()), f"bench replay, {len(items)} requests"))
         _plot(output, rows_by_policy, labels)
-    console.print(f"wrote {output / 'results.json'} and the plots", highlight=False)
     return 1 if aborted else 0
 
 
@@ -162,19 +163,9 @@ def _replay_policies(settings, server, target, items, labels, console):
 
 def replay_with_progress(target: ReplayTarget, policy: str, items: list[ReplayItem],
                          console: Console) -> tuple[list[Row], float]:
-    """``replay.replay`` with a progress bar (finished requests, errors) on ``console``."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[errors]} errors"))
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task(policy, total=len(items), errors=0)
-        errors = 0
-
-        def finished(row: Row) -> None:
-            nonlocal errors
-            errors += not row.succeeded
-            progress.update(task, advance=1, errors=errors)
-
-        return asyncio.run(replay(target, policy, items, finished))
+    """``replay.replay`` with a bar of its finished requests and errors on ``console``."""
+    with request_bar(console, policy, len(items)) as bar:
+        return asyncio.run(replay(target, policy, items, lambda row: bar.advance(failed=not row.succeeded)))
 
 
 def _write_results(path: Path, settings: ReplaySettings, source: dict, model: str, labels: dict[str, str],

@@ -54,6 +54,7 @@ class TransferBenchSettings:
     model: str = setting("", "model folder or hub id (default: the project's SmolLM2-135M-Instruct)")
     dtype: str = setting("auto", "engine dtype; auto: what a worker picks on this machine")
     start_timeout: float = setting(900.0, "seconds to wait for the engine to start")
+    progress: bool = setting(True, "progress bars redrawn in place on a terminal (--no-progress: plain lines)")
 
     def __post_init__(self) -> None:
         if self.reps < 1:
@@ -75,6 +76,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def run(settings: TransferBenchSettings) -> int:
     from rich.console import Console
 
+    from kvroute.bench.progress import closing_report
     from kvroute.bench.transfer_phases import Phases
 
     console = Console(width=None if sys.stdout.isatty() else 180)
@@ -82,7 +84,7 @@ def run(settings: TransferBenchSettings) -> int:
     output.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.perf_counter()
-    with cluster_keys.of_this_run() as keys:
+    with cluster_keys.of_this_run() as keys, closing_report(output, settings.progress, console):
         phases = Phases(settings, console, output, keys)
         return _run_phases(phases, output, console, started)
 

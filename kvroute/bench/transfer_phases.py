@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvroute.bench import transfer_calibration, transfer_report
+from kvroute.bench.progress import Bar, track
 from kvroute.bench.transfer_bench import (
     ENCRYPTION_BACKENDS,
     LOOPBACK_BACKENDS,
@@ -46,16 +47,21 @@ class Phases:
                               "skipped": {}}
 
     def run_all(self) -> None:
-        self.measure_engine()
-        self.measure_link(LOOPBACK, LOOPBACK_BACKENDS, self.lengths, PairEnd(), PairEnd())
-        if self.settings.encryption:
-            self.measure_encryption()
-        else:
-            self.results["skipped"]["encryption"] = "--no-encryption"
-        if self.settings.shaped:
-            self.measure_shaped_links()
-        else:
-            self.results["skipped"]["shaped"] = "--no-shaped"
+        with Bar(self.console, "phases", 4) as phase:
+            phase.step("engine")
+            self.measure_engine()
+            phase.step("loopback")
+            self.measure_link(LOOPBACK, LOOPBACK_BACKENDS, self.lengths, PairEnd(), PairEnd())
+            phase.step("encryption")
+            if self.settings.encryption:
+                self.measure_encryption()
+            else:
+                self.results["skipped"]["encryption"] = "--no-encryption"
+            phase.step("shaped links")
+            if self.settings.shaped:
+                self.measure_shaped_links()
+            else:
+                self.results["skipped"]["shaped"] = "--no-shaped"
         self.results["skipped"]["nccl"] = "the pair moves host-memory frames only; NCCL is not measured here"
         self.summarise()
 
@@ -65,7 +71,7 @@ class Phases:
         from foundation.model_prep import resolve_model
         from worker.dtype import resolve_here
 
-        model = resolve_model(self.settings.model or None)
+        model = resolve_model(self.settings.model or None, progress=True)
         dtype = resolve_here(self.settings.dtype)
         if not self.settings.engine:
             from kvroute.bench.transfer_recompute import kv_bytes_from_model
@@ -80,8 +86,13 @@ class Phases:
                              self.settings.start_timeout) as engine:
             self._set_layout(engine.kv_bytes())
             self.results["recompute"] = {}
-            for tokens, measured in engine.measure(self.lengths, self.settings.reps, self._log_recompute).items():
-                self.recompute[tokens] = measured["median"]
+            with Bar(self.console, "recompute", len(self.lengths), unit="prompt lengths") as bar:
+                def measured_one(tokens: int, measured: dict) -> None:
+                    self._log_recompute(tokens, measured)
+                    bar.advance()
+
+                for tokens, measured in engine.measure(self.lengths, self.settings.reps, measured_one).items():
+                    self.recompute[tokens] = measured["median"]
 
     def _log_recompute(self, tokens: int, measured: dict) -> None:
         self.results["recompute"][str(tokens)] = measured
@@ -104,7 +115,12 @@ class Phases:
                         cluster_keys=self.cluster_keys, checksum=self.settings.checksum)
         link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
         self.results["links"].append(link)
-        run_pair(plan, on_row=lambda row: self._log_transfer(link, row))
+        with Bar(self.console, f"transfers over {name}", len(backends) * len(lengths)) as bar:
+            def measured_one(row: dict) -> None:
+                self._log_transfer(link, row)
+                bar.advance()
+
+            run_pair(plan, on_row=measured_one)
 
     def _log_transfer(self, link: dict, row: dict) -> None:
         link["pair_rows"].append(row)
@@ -121,7 +137,7 @@ class Phases:
         lengths = encryption_lengths(self.lengths)
         frame_sizes = tuple(self.kv.frame_bytes(n) for n in lengths)
         measured = {}
-        for encrypted in (True, False):
+        for encrypted in track((True, False), "encryption", self.console, name=lambda on: "on" if on else "off"):
             plan = PairPlan(backends=ENCRYPTION_BACKENDS, frame_sizes=frame_sizes, num_frames=self.kv.num_layers,
                             reps=self.settings.reps, cluster_keys=self.cluster_keys, transfer_encryption=encrypted)
             measured[encrypted] = run_pair(plan)
@@ -169,8 +185,7 @@ class Phases:
 
     def report(self) -> None:
         transfer_report.print_report(self.results, self.console)
-        path = transfer_report.plot(self.results, self.output / transfer_report.PLOT_NAME)
-        self.console.log(f"wrote {path}")
+        transfer_report.plot(self.results, self.output / transfer_report.PLOT_NAME)
 
 
 def encryption_lengths(lengths: list[int]) -> list[int]:

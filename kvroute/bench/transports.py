@@ -24,6 +24,7 @@ from rich.table import Table
 
 from kvroute.bench.command import Command
 from kvroute.bench.paths import REPO_ROOT
+from kvroute.bench.progress import Bar
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 MiB = 1024 * 1024
@@ -60,15 +61,16 @@ def run(args: argparse.Namespace) -> int:
 def _measure(plan, args: argparse.Namespace) -> int:
     from kvroute.bench.transfer_pair import run_pair
 
-    def log(row: dict) -> None:
-        console.log(f"{row['backend']} {row['bytes'] / MiB:.0f} MiB: {row['backend_gb_per_s']:.2f} GB/s vs "
-                    f"{row['raw_gb_per_s']:.2f} GB/s raw, ratio {row['ratio']:.2f}")
+    with Bar(console, "backends x sizes", len(plan.backends) * len(plan.frame_sizes)) as bar:
+        def log(row: dict) -> None:
+            console.log(f"{row['backend']} {row['bytes'] / MiB:.0f} MiB: {row['backend_gb_per_s']:.2f} GB/s vs "
+                        f"{row['raw_gb_per_s']:.2f} GB/s raw, ratio {row['ratio']:.2f}")
+            bar.advance()
 
-    rows = run_pair(plan, on_row=log)
+        rows = run_pair(plan, on_row=log)
     print_table(rows)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "results.json").write_text(json.dumps({"reps": args.reps, "rows": rows}, indent=2))
-    console.log(f"wrote {args.output / 'results.json'}")
     return 0
 
 

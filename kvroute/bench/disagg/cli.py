@@ -47,6 +47,7 @@ from kvroute.bench.disagg.report import print_tables, verdict
 from kvroute.bench.disagg.transfers import measure_transfers
 from kvroute.bench.meters import ForeignLoad
 from kvroute.bench.paths import REPO_ROOT
+from kvroute.bench.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,8 +119,9 @@ async def measure(args: argparse.Namespace, model: str, workers: dict, results: 
                                      "processes": process_affinities(workers[role].process.pid)}
                               for role in workers}
         foreign = results["foreign_cpu_cores"] = {}
-        for phase, step in (("ttft", lambda: measure_ttft(ctx)), ("transfer", lambda: measure_transfers(ctx)),
-                            ("end_to_end", lambda: measure_end_to_end(ctx, results["transfer"]))):
+        phases = (("ttft", lambda: measure_ttft(ctx)), ("transfer", lambda: measure_transfers(ctx)),
+                  ("end_to_end", lambda: measure_end_to_end(ctx, results["transfer"])))
+        for phase, step in track(phases, "phases", console, name=lambda phase: phase[0]):
             meter = ForeignLoad()
             results[phase] = await step()
             foreign[phase] = meter.cores()
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     log_dir = output / "logs"
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, progress=True)
     console.log(f"model: {model}")
     # SIGTERM → SystemExit, so the finally below still stops the workers.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

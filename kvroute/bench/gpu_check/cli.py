@@ -28,7 +28,10 @@ import platform
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
 from kvroute.bench.command import Command
+from kvroute.bench.progress import Bar
 
 MIN_REPS = 5
 
@@ -55,8 +58,13 @@ def run_checks(device_type: str, reps: int) -> dict:
 
     device = torch.device(f"{device_type}:0" if device_type == "cuda" else "cpu")
     on_gpu = device_type == "cuda"
-    copies = gpu_copies.check_copies(device, gpu_copies.GPU_COPY_SIZES if on_gpu else gpu_copies.CPU_COPY_SIZES, reps)
-    link = gpu_links.check_link(device_type, gpu_links.GPU_LINK_SIZES if on_gpu else gpu_links.CPU_LINK_SIZES, reps)
+    with Bar(Console(), "GPU check", 2, redraw=False) as phase:  # nothing redrawn while copies are timed
+        phase.step("gather, scatter and copies")
+        copies = gpu_copies.check_copies(device, gpu_copies.GPU_COPY_SIZES if on_gpu else gpu_copies.CPU_COPY_SIZES,
+                                         reps)
+        phase.step("link")
+        link = gpu_links.check_link(device_type, gpu_links.GPU_LINK_SIZES if on_gpu else gpu_links.CPU_LINK_SIZES,
+                                    reps)
     return {"status": overall_status(copies, link), "device": device_type, "reps": reps,
             "environment": environment(), "copies": copies, "link": link}
 

@@ -59,6 +59,7 @@ from kvroute.bench.index import fleet as fleet_module
 from kvroute.bench.index.fleet import DEFAULT_BLOCK_SIZE, GROUP_DOCS, HOT_DOCS, PRIVATE_SHARE, Shape, populate
 from kvroute.bench.index.lookups import MIX, measure
 from kvroute.bench.paths import results_path
+from kvroute.bench.progress import Bar
 from orchestrator.index import PrefixIndex
 
 console = Console(width=int(os.environ.get("COLUMNS", "140")))
@@ -147,26 +148,18 @@ def run(args: argparse.Namespace) -> int:
     if args.tracemalloc:
         tracemalloc.start()
     index = PrefixIndex()
-    started = time.perf_counter()
-    fleet = populate(index, args, rng, sizes)
-    build_s = time.perf_counter() - started
-    memory = {}
-    if args.tracemalloc:
-        traced = tracemalloc.get_traced_memory()[0]
-        # What the fleet's own code holds (its catalogue of prompts, the token lists it made), not the index.
-        catalogue = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, fleet_module.__file__)])
-        memory["tracemalloc_catalogue_bytes"] = sum(stat.size for stat in catalogue.statistics("filename"))
-        memory["tracemalloc_bytes"] = traced - memory["tracemalloc_catalogue_bytes"]  # the index alone
-        tracemalloc.stop()
-    gc.collect()
-    memory["rss_before_bytes"] = rss_before
-    memory["rss_after_bytes"] = rss_bytes()
-    memory["rss_growth_bytes"] = memory["rss_after_bytes"] - rss_before
-    shape = index_shape(index)
-    console.print(f"populated {shape['block_entries']:,} entries in {build_s:.1f} s; "
-                  f"measuring {args.lookups} lookups")
-
-    measurements = measure(index, fleet, args, rng)
+    # Two steps, not a bar per lookup, and nothing redrawn meanwhile: it would be timed with the lookups.
+    with Bar(console, "index", 2, redraw=False) as phase:
+        phase.step(f"populate {args.blocks:,} block entries")
+        started = time.perf_counter()
+        fleet = populate(index, args, rng, sizes)
+        build_s = time.perf_counter() - started
+        memory = measured_memory(args, rss_before)
+        shape = index_shape(index)
+        console.print(f"populated {shape['block_entries']:,} entries in {build_s:.1f} s; "
+                      f"measuring {args.lookups} lookups")
+        phase.step(f"{args.lookups:,} lookups")
+        measurements = measure(index, fleet, args, rng)
     results = {
         "config": {"workers": args.workers, "group_size": args.group_size, "blocks_target": args.blocks,
                    "block_size": sizes.block_size, "prompt_blocks": sizes.prompt_blocks,
@@ -185,8 +178,24 @@ def run(args: argparse.Namespace) -> int:
     }
     out_file.write_text(json.dumps(results, indent=2))
     print_report(results)
-    console.print(f"results: {out_file}")
     return 0
+
+
+def measured_memory(args: argparse.Namespace, rss_before: int) -> dict:
+    """What populating the index cost: RSS growth, and with --tracemalloc Python's own count."""
+    memory = {}
+    if args.tracemalloc:
+        traced = tracemalloc.get_traced_memory()[0]
+        # What the fleet's own code holds (its catalogue of prompts, the token lists it made), not the index.
+        catalogue = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, fleet_module.__file__)])
+        memory["tracemalloc_catalogue_bytes"] = sum(stat.size for stat in catalogue.statistics("filename"))
+        memory["tracemalloc_bytes"] = traced - memory["tracemalloc_catalogue_bytes"]  # the index alone
+        tracemalloc.stop()
+    gc.collect()
+    memory["rss_before_bytes"] = rss_before
+    memory["rss_after_bytes"] = rss_bytes()
+    memory["rss_growth_bytes"] = memory["rss_after_bytes"] - rss_before
+    return memory
 
 
 COMMAND = Command("index", "the prefix index: longest-prefix lookup of an 8k-token prompt over 64 workers", __doc__,

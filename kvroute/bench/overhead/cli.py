@@ -95,8 +95,8 @@ def ms(value: float | None) -> str:
 def start_stack(log_path: Path, args: argparse.Namespace) -> Stack | SyntheticStack:
     if args.engine == "synthetic":
         from foundation.model_prep import resolve_model
-        return SyntheticStack(resolve_model(None), log_path, ["--policy", args.policy, *args.serve_args.split()],
-                              args.token_seconds)
+        return SyntheticStack(resolve_model(None, progress=True), log_path,
+                              ["--policy", args.policy, *args.serve_args.split()], args.token_seconds)
     return Stack(None, log_path, ["--dtype", args.dtype, "--policy", args.policy, *args.serve_args.split()])
 
 
@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
         }
         out_file.write_text(json.dumps(results, indent=2))
         print_report(results)
-        console.print(f"results: {out_file}")
     finally:
         code = stack.stop()
         console.print(f"stack stopped (exit code {code})")

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvroute.bench.meters import CpuMeter
 from kvroute.bench.overhead.clients import Paths
+from kvroute.bench.progress import Bar
 from simulator.records import percentile
 
 console = Console()
@@ -42,22 +43,24 @@ def ok(samples: list[dict]) -> list[dict]:
     return [s for s in samples if "error" not in s]
 
 
-async def sequential(paths: Paths, n: int) -> dict:
-    """N rounds of the three request kinds; the order rotates every round."""
+async def sequential(paths: Paths, n: int, label: str) -> dict:
+    """N rounds of the request kinds, under a bar named ``label``; the order rotates every round."""
     kinds = {"http": paths.http_request, "direct": paths.direct, "http_stream": paths.http_stream,
              "http_httpx": paths.http_request_httpx}
     names = list(kinds)
     samples: dict[str, list[dict]] = {name: [] for name in names}
     cpu_before, wall_before = (paths.meter.read() if paths.meter else 0.0), time.perf_counter()
-    for i in range(n):
-        order = names[i % len(names):] + names[:i % len(names)]
-        if i % 2:
-            order.reverse()  # both rotations and reversals: every kind goes first, middle and last
-        for name in order:
-            cpu_start = paths.meter.read() if paths.meter else 0.0
-            sample = await attempt(kinds[name])
-            sample["orchestrator_cpu_s"] = (paths.meter.read() if paths.meter else 0.0) - cpu_start
-            samples[name].append(sample)
+    with Bar(console, label, n, unit="rounds", redraw=False) as bar:
+        for i in range(n):
+            order = names[i % len(names):] + names[:i % len(names)]
+            if i % 2:
+                order.reverse()  # both rotations and reversals: every kind goes first, middle and last
+            for name in order:
+                cpu_start = paths.meter.read() if paths.meter else 0.0
+                sample = await attempt(kinds[name])
+                sample["orchestrator_cpu_s"] = (paths.meter.read() if paths.meter else 0.0) - cpu_start
+                samples[name].append(sample)
+            bar.advance()
     samples["orchestrator_cpu"] = [{"cpu_s": (paths.meter.read() if paths.meter else 0.0) - cpu_before,
                                     "wall_s": time.perf_counter() - wall_before}]
     return samples
@@ -90,11 +93,13 @@ async def closed_loop(call, requests: int, concurrency: int, meter: CpuMeter | N
 async def throughput(paths: Paths, args: argparse.Namespace) -> dict:
     kinds = {"http": paths.http_request, "direct": paths.direct}
     rounds: dict[str, list[dict]] = {name: [] for name in kinds}
-    for r in range(args.throughput_rounds):
-        order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]
-        for name in order:
-            rounds[name].append(await closed_loop(kinds[name], args.throughput_requests, args.concurrency,
-                                                  paths.meter))
+    with Bar(console, "throughput", args.throughput_rounds * len(kinds), unit="runs", redraw=False) as bar:
+        for r in range(args.throughput_rounds):
+            order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]
+            for name in order:
+                rounds[name].append(await closed_loop(kinds[name], args.throughput_requests, args.concurrency,
+                                                      paths.meter))
+                bar.advance()
     out = {}
     for name, runs in rounds.items():
         total = sum(run["requests"] for run in runs)
@@ -120,9 +125,9 @@ async def measure(args: argparse.Namespace, url: str, model_name: str, workers: 
         paths.meter = CpuMeter(orchestrator_pid)
         paths.idle_cpu_rate = await asyncio.to_thread(paths.meter.idle_rate, 3.0)
         console.print(f"warm-up: {args.warmup} request(s) per kind")
-        await sequential(paths, args.warmup)
+        await sequential(paths, args.warmup, "warm-up")
         console.print(f"sequential: {args.requests} request(s) per kind, interleaved")
-        samples = await sequential(paths, args.requests)
+        samples = await sequential(paths, args.requests, "sequential")
         console.print(f"throughput: {args.concurrency} concurrent clients, {args.throughput_rounds} round(s) "
                       f"of {args.throughput_requests} request(s) per kind, alternating")
         rates = await throughput(paths, args)

@@ -152,13 +152,12 @@ def run(args: argparse.Namespace) -> int:
     sweep = run.sweep(systems, settings, log_dir, console)
     comparisons = report.comparisons(sweep.metrics())
     recorded = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    path = results.write(output / "results.json",
-                         results.document(sweep, recorded, res.record(), targets, comparisons))
+    results.write(output / "results.json",
+                  results.document(sweep, recorded, res.record(), targets, comparisons))
     table.print_report(console, sweep, comparisons, targets)
     if comparisons:
         plots.latency_vs_rate(sweep.metrics(), output / "latency_vs_rate.png")
         plots.goodput_bars(comparisons, output / "goodput.png", targets.attainment)
-    console.print(f"wrote {path}, the plots and the logs under {output}", highlight=False)
     return 1 if sweep.aborted else 0
 
 

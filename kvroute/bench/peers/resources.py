@@ -56,5 +56,5 @@ def resolve(dtype: str, total_kv_gib: float, max_model_len: int, model: str | No
     from foundation.model_prep import resolve_model
     from worker.dtype import resolve_here
 
-    return Resources(model=resolve_model(model), dtype=resolve_here(dtype), total_kv_gib=total_kv_gib,
+    return Resources(model=resolve_model(model, progress=True), dtype=resolve_here(dtype), total_kv_gib=total_kv_gib,
                      max_model_len=max_model_len, cores=tuple(usable_cores()))

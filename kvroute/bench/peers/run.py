@@ -25,6 +25,7 @@ from rich.console import Console
 from kvroute.bench.peers import report, sources
 from kvroute.bench.peers.plans import Plan
 from kvroute.bench.peers.systems import RunningSystem, SystemStartError, running
+from kvroute.bench.progress import track
 from kvroute.bench.replay import ReplayItem, ReplayTarget, Row, replay
 from kvroute.bench.replay_cli import replay_with_progress
 from kvroute.bench.replay_server import ReplayError, ReplayServer
@@ -103,7 +104,7 @@ def sweep(systems: list[Plan | Skipped], settings: SweepSettings, log_dir: Path,
     built = build_workloads(settings)
     result = Sweep(sources={f"{w}@{r:g}": {"requests": len(items), **source}
                             for (w, r), (items, source, _) in built.items()})
-    for entry in systems:
+    for entry in track(systems, "systems", console, name=lambda entry: entry.system):
         if isinstance(entry, Skipped):
             console.print(f"[yellow]{entry.system}: skipped: {entry.reason}[/]", highlight=False)
             result.systems.append(SystemRecord(entry.system, skipped=entry.reason))
@@ -131,7 +132,8 @@ def measure_system(plan: Plan, built: dict[tuple[str, float], Workload], setting
         target = _target(system, settings.request_timeout_s)
         console.print(f"  ready in {record.start_s:.0f} s at {system.url}", highlight=False)
         warm_up(target, settings, plan.system)
-        for (workload, rate), (items, _, lengths) in built.items():
+        for (workload, rate), (items, _, lengths) in track(built.items(), "workloads and rates", console,
+                                                            name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s"):
             record.runs.append(measure_run(system, target, workload, rate, items, lengths, settings, console))
 
 

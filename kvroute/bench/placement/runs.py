@@ -10,7 +10,6 @@ recorded (``foreign_cpu_cores``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -31,7 +30,9 @@ from kvroute.bench.placement.cluster import (
     wait_quiet,
     worker_labels,
 )
-from kvroute.bench.replay import POLICY_HEADER, REQUEST_TIMEOUT_S, ReplayTarget, Row, replay
+from kvroute.bench.progress import track
+from kvroute.bench.replay import POLICY_HEADER, REQUEST_TIMEOUT_S, ReplayTarget, Row
+from kvroute.bench.replay_cli import replay_with_progress
 from kvroute.bench.replay_report import ms, summary_table
 from kvroute.bench.replay_results import ratios, row_dict, summarize
 from kvroute.bench.replay_server import ReplayServer
@@ -67,19 +68,6 @@ def warm_up(cluster: Cluster, config: RepositoryAssistantConfig, count) -> None:
                    timeout=REQUEST_TIMEOUT_S).raise_for_status()
 
 
-def progress_printer(policy: str, total: int):
-    """A line every 25 finished requests and at the last."""
-    started, done = time.monotonic(), 0
-
-    def finished(_row: Row) -> None:
-        nonlocal done
-        done += 1
-        if done % 25 == 0 or done == total:
-            console.print(f"  {policy}: {done}/{total} done at {time.monotonic() - started:.0f} s", highlight=False)
-
-    return finished
-
-
 def measure(cluster: Cluster, items: list, policies: list[str], warm_requests: int, wait_quiet_s: float,
             warm: Callable[[Cluster], None]) -> Runs:
     """Replay ``items`` once per policy, caches emptied before each; the cluster is stopped at the end."""
@@ -94,14 +82,14 @@ def measure(cluster: Cluster, items: list, policies: list[str], warm_requests: i
         warm(cluster)
         server, target = ReplayServer(cluster.url), ReplayTarget(cluster.url, MODEL)
         warn = lambda message: console.print(f"[yellow]  {message}[/]", highlight=False)  # noqa: E731
-        for policy in policies:
+        for policy in track(policies, "policies", console):
             reset = server.reset_cache(MODEL, warn)
             quiet = wait_quiet(wait_quiet_s)
             runs.waited_for_quiet_s += quiet
             time.sleep(1.0)
             console.print(f"[bold]{policy}[/]: replaying {len(items)} requests", highlight=False)
             load = ForeignLoad()
-            rows, duration = asyncio.run(replay(target, policy, items, progress_printer(policy, len(items))))
+            rows, duration = replay_with_progress(target, policy, items, console)
             runs.all_rows[policy] = rows
             rows = runs.counted[policy] = [row for row in rows if row.index >= warm_requests]
             runs.summaries[policy] = s = {"policy": policy, "foreign_cpu_cores": load.cores(),
@@ -153,13 +141,12 @@ def run_record(args: argparse.Namespace, cluster: Cluster, runs: Runs, waited: f
 
 
 def plot(output: Path, rows_by_policy: dict[str, list[Row]], summaries: dict[str, dict],
-         labels: list[str]) -> list[str]:
+         labels: list[str]) -> None:
     from kvroute.bench import replay_plots  # matplotlib: only once there is something to plot
 
     replay_plots.ttft_cdf(rows_by_policy, output / "ttft_cdf.png")
     replay_plots.hit_rate_bars(summaries, output / "hit_rate.png")
     replay_plots.placement_bars(summaries, labels, output / "worker_load.png")
-    return ["ttft_cdf.png", "hit_rate.png", "worker_load.png"]
 
 
 def report(output: Path, result: dict, runs: Runs, title: str) -> None:
@@ -168,10 +155,9 @@ def report(output: Path, result: dict, runs: Runs, title: str) -> None:
     summaries, labels = runs.summaries, list(runs.names.values())
     if summaries:
         console.print(summary_table(summaries, labels, title))
-    plots = plot(output, runs.counted, summaries, labels) if summaries else []
+        plot(output, runs.counted, summaries, labels)
     for name, value in result["ratios"].items():
         console.print(f"{name}: {value if isinstance(value, str) else f'{value:.3f}'}", highlight=False)
     if any(s["foreign_cpu_cores"] > 0.3 for s in summaries.values()):
         console.print("[yellow]other processes loaded this machine during the run (cores, by policy): "
                       + ", ".join(f"{k} {v['foreign_cpu_cores']:.2f}" for k, v in summaries.items()) + "[/]")
-    console.print(f"wrote {output / 'results.json'}" + (f" and {', '.join(plots)}" if plots else ""), highlight=False)

@@ -162,4 +162,4 @@ parse_args = COMMAND.parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv), argv)
+    return COMMAND.execute(parse_args(argv), lambda args: run(args, argv))

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from rich.console import Console
+
+from kvroute.bench.progress import track
 from kvroute.bench.replay_results import ratios
 from kvroute.bench.results_page.setup import Setup
 from kvroute.bench.simulation import validate
@@ -24,6 +27,7 @@ SIZES, QUICK_SIZES = (1, 4, 32, 500), (1, 4)  # prefill workers; as many decode 
 REQUESTS_PER_PREFILL, MAX_REQUESTS = 100, 50_000
 QUICK_REQUESTS_PER_PREFILL, QUICK_TRACE_RECORDS = 10, 100
 CDF_WORKERS = 8
+console = Console()  # the progress of the simulations
 REPOSITORY, TRACE = "repository-assistant", "trace"
 
 
@@ -58,7 +62,7 @@ def run_size(source, num_prefill: int, settings: SimulationSettings, calibration
     oracle = bounds(source, SimpleNamespace(block_size=engine.block_size, kv_blocks=engine.num_blocks,
                                             prefill=num_prefill, decode=num_prefill))
     policies, ttfts = {}, {}
-    for policy in POLICIES:
+    for policy in track(POLICIES, "policies", console):
         result = simulate(source, policy, num_prefill, num_prefill, calibration, 0, settings)
         s = result.summary
         policies[policy] = {"ttft_p50_s": s.ttft_p50, "ttft_p99_s": s.ttft_p99, "hit_rate": s.hit_rate,
@@ -72,6 +76,10 @@ def run_size(source, num_prefill: int, settings: SimulationSettings, calibration
     row = {"workers": 2 * num_prefill, "num_prefill": num_prefill, "num_decode": num_prefill, "oracle": oracle,
            "policies": policies, "wall_seconds": sum(p["wall_seconds"] for p in policies.values())}
     return row | summary_ratios(policies), ttfts
+
+
+def workers(num_prefill: int) -> str:
+    return f"{2 * num_prefill} workers"
 
 
 def share(part: int, whole: int) -> float | None:
@@ -92,7 +100,7 @@ def target_ratios(found: dict) -> dict:
 
 def repository_runs(setup: Setup, sizes, per_prefill: int) -> tuple[list[dict], dict]:
     rows, cdf = [], {}
-    for num_prefill in sizes:
+    for num_prefill in track(sizes, f"{REPOSITORY} sizes", console, name=workers):
         requests = min(per_prefill * num_prefill, MAX_REQUESTS)
         config = scale_repository_assistant(setup.repository, setup.reference_prefill, num_prefill, requests)
         workload = replay_requests(generate_workload(config))  # token ids once, for the oracle and every policy
@@ -108,7 +116,7 @@ def trace_runs(setup: Setup, path: Path, sizes, limit: int | None) -> tuple[list
     records = read_trace(path, limit)
     prompts = [r.prompt_tokens for r in scale_trace(records).requests]
     rows, cdf = [], {}
-    for num_prefill in sizes:
+    for num_prefill in track(sizes, f"{TRACE} sizes", console, name=workers):
         scale = trace_time_scale(prompts, num_prefill, setup.calibration)
         trace = scale_trace(records, TraceScaling(time_scale=scale))
         row, ttfts = run_size(trace, num_prefill, setup.trace_settings, setup.calibration)

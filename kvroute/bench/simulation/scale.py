@@ -17,8 +17,11 @@ import json
 import os
 from pathlib import Path
 
+from rich.console import Console
+
 from kvroute.bench.command import Command
 from kvroute.bench.paths import DEFAULT_TRACE, REPO_ROOT
+from kvroute.bench.progress import track
 from simulator import simulate
 from workloads.trace import TraceScaling, load_trace
 
@@ -38,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace, TraceScaling(time_scale=args.time_scale))
     rows = []
-    for policy in args.policies.split(","):
+    # Nothing redrawn during a replay: its wall time is the measurement.
+    for policy in track(args.policies.split(","), "policies", Console(), redraw=False):
         result = simulate(trace, policy, args.prefill, args.decode)
         rows.append({"policy": policy, "wall_seconds": result.wall_seconds, "events": result.events,
                      "simulated_seconds": result.simulated_seconds, "ttft_p50": result.summary.ttft_p50,

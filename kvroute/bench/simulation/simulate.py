@@ -44,6 +44,7 @@ from foundation import identity
 from kvroute.bench.command import Command
 from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds
 from kvroute.bench.paths import DEFAULT_TRACE, REPO_ROOT
+from kvroute.bench.progress import track
 from orchestrator.planner.policies import POLICIES
 from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate
 from simulator.requests import replay_requests
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores))
     oracle = bounds(source, args)
     results = []
-    for policy in args.policies.split(","):
+    for policy in track(args.policies.split(","), "policies", console):
         results.append(simulate(source, policy, args.prefill, args.decode, calibration, args.seed, settings))
         console.print(f"{policy}: {results[-1].wall_seconds:.1f} s")
     name = args.workload or Path(args.trace or DEFAULT_TRACE).name
@@ -163,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
               "calibration": calibration.to_dict(), "dropped": getattr(source, "dropped", 0), "oracle": oracle,
               "policies": [result.to_dict(with_records=not args.no_records) for result in results]}
     (args.output / "results.json").write_text(json.dumps(report, indent=1))
-    console.print(f"results: {args.output / 'results.json'}")
     return 0
 
 

@@ -57,6 +57,7 @@ from rich.table import Table
 
 from kvroute.bench.command import Command
 from kvroute.bench.paths import REPO_ROOT
+from kvroute.bench.progress import track
 from kvroute.bench.replay_results import ratios
 from kvroute.bench.simulation.real_run import is_trace_run, load_real, real_p50_interval, rebuild_requests
 from simulator import CpuSettings, SimCalibration, SimulationSettings, simulate
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                                                                decode_engine=unheld), None),
         "the model + the run's refused pulls replayed": (cluster.settings(), failures)}
     tables = {}
-    for name, (settings, faults) in variants.items():
+    for name, (settings, faults) in track(variants.items(), "simulator variants", console,
+                                          name=lambda variant: variant[0]):
         simulated = simulate_all(requests, policies, cluster, calibration, settings, args.seeds, faults)
         tables[name] = compare(results, simulated, args.band)
         print_comparison(f"real vs simulated TTFT, {name}", tables[name], args.band)
@@ -219,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
 
     scale = []
     if args.scale:
-        for shape, count in zip(args.scale_shapes.split(","), args.scale_requests.split(",")):
+        shapes = zip(args.scale_shapes.split(","), args.scale_requests.split(","))
+        for shape, count in track(shapes, "larger clusters", console, name=lambda shape: shape[0]):
             scale.append(simulate_scale(results, cluster, calibration, policies, shape, int(count)))
             hits = ", ".join(f"{policy} {s['hit_rate']:.0%}" for policy, s in scale[-1]["summaries"].items())
             console.print(ratio_line(f"repository-assistant on {shape} ({count} requests, "
