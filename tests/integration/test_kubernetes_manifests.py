@@ -108,6 +108,7 @@ def test_every_container_runs_as_non_root_and_locked_down(rendered, render):
         # The orchestrator reads KVROUTE_* as settings: no Service's variables may reach it.
         assert pod.spec["enableServiceLinks"] is False and pod.spec["automountServiceAccountToken"] is False
         for container in pod.containers():
+            assert "command" not in container, "the image's entrypoint, tini, must stay PID 1 to pass SIGTERM on"
             assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                                     "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
             assert container["resources"]["requests"] and container["resources"]["limits"]
@@ -216,6 +217,14 @@ def test_grace_periods_outlast_the_drain(rendered, render):
         drain = float(flag(worker.args(worker.main), "--drain-seconds"))
         assert "lifecycle" not in worker.main  # SIGTERM itself drains; a preStop hook would only delay it
         assert worker.spec["terminationGracePeriodSeconds"] >= drain + ENGINE_STOP_SECONDS, worker.name
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_every_deployment_has_a_disruption_budget_of_one_pod(rendered, render):
+    budgets = of_kind(rendered[render], "PodDisruptionBudget")
+    for pod in pods(rendered[render]).values():
+        (budget,) = [b for b in budgets if selects(b["spec"]["selector"], pod.labels)]
+        assert budget["spec"]["maxUnavailable"] == 1 and budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_the_gpu_overlay_gives_each_worker_a_gpu_and_the_model_a_shared_volume(rendered):
