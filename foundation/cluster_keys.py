@@ -14,6 +14,8 @@ folder may leave out ``orchestrator.key_secret`` and ``salt.secret`` (``kvroute 
 worker-set``), so a worker cannot speak as the orchestrator. The two public keys are the
 allow-list: a peer whose client key is neither gets no reply (see foundation.zmq_auth).
 Files are written 0600 in a 0700 folder, and a folder others can read is refused.
+``install`` makes such a folder from one that fails that check, as a Kubernetes Secret
+volume does (see ``install``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import zmq.auth
 ROLES = ("orchestrator", "worker")
 SALT_FILE = "salt.secret"
 SALT_BYTES = 32
+KEY_FILES = tuple(f"{role}.{suffix}" for role in ROLES for suffix in ("key", "key_secret")) + (SALT_FILE,)
 
 
 class ClusterKeyError(ValueError):
@@ -75,11 +78,7 @@ class ClusterKeys:
 
 def init(folder: str | Path) -> Path:
     """Create a new key folder; refuses to overwrite one."""
-    folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise ClusterKeyError(f"{folder} exists and is not empty; keys are never overwritten")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
+    folder = _new_private_folder(folder)
     for role in ROLES:
         public_file, secret_file = zmq.auth.create_certificates(folder, role)
         os.chmod(public_file, 0o600)
@@ -113,13 +112,33 @@ def of_this_run(given: str = "") -> Iterator[str]:
 def worker_set(source: str | Path, folder: str | Path) -> Path:
     """A folder for workers: both public keys and the worker's secret, nothing else."""
     keys = load(source)
-    folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise ClusterKeyError(f"{folder} exists and is not empty; keys are never overwritten")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
+    folder = _new_private_folder(folder)
     for name in ("orchestrator.key", "worker.key", "worker.key_secret"):
         _write_private(folder / name, (keys.folder / name).read_bytes())
+    return folder
+
+
+def install(source: str | Path, folder: str | Path) -> Path:
+    """A private copy (0700 folder, 0600 files, owned by this process's user) of the key
+    files in ``source``, a folder the loader would refuse: a Kubernetes Secret volume is
+    mounted in a folder anyone may list (0777) with files owned by root, which a pod that
+    does not run as root reads only through its ``fsGroup`` (mode 0440). Only the names a
+    key folder holds are copied, symbolic links followed (a Secret volume's files link into
+    its ``..data`` folder); the copy must then load, or nothing is left behind."""
+    source = Path(source)
+    if not source.is_dir():
+        raise ClusterKeyError(f"{source} is not a folder of cluster keys")
+    names = [name for name in KEY_FILES if (source / name).is_file()]
+    if not names:
+        raise ClusterKeyError(f"{source} holds none of {', '.join(KEY_FILES)}: not a kvroute key folder")
+    folder = _new_private_folder(folder)
+    try:
+        for name in names:
+            _write_private(folder / name, (source / name).read_bytes())
+        load(folder)
+    except (OSError, ClusterKeyError):
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
 
 
@@ -147,6 +166,16 @@ def load(folder: str | Path) -> ClusterKeys:
     salt_file = folder / SALT_FILE
     salt = bytes.fromhex(salt_file.read_text().strip()) if salt_file.is_file() else None
     return ClusterKeys(folder, pairs, salt)
+
+
+def _new_private_folder(folder: str | Path) -> Path:
+    """``folder``, made 0700 (with its parents), empty; refuses one that holds anything."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise ClusterKeyError(f"{folder} exists and is not empty; keys are never overwritten")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -1,4 +1,9 @@
-"""The ``kvroute`` command: one entry point, one sub-command per process or task."""
+"""The ``kvroute`` command: one entry point, one sub-command per process or task.
+
+Modules are imported where a command needs them: ``kvroute probe`` runs every few seconds
+in every worker's container (Kubernetes exec probes), and the server stack's imports take
+seconds of CPU that a probe has no use for.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,26 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from foundation import cluster_keys, config, model_prep
-from worker import cli_args as worker_cli
+from worker import probe as worker_probe
+
+
+def _main_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware, disaggregated LLM serving.")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def build_probe_parser() -> argparse.ArgumentParser:
+    """``kvroute`` with only its ``probe`` command, which imports nothing of the servers."""
+    parser, commands = _main_parser()
+    worker_probe.add_cli(commands)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvroute", description="Cache-aware, disaggregated LLM serving.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    from foundation import config, model_prep
+    from worker import cli_args as worker_cli
+
+    parser, commands = _main_parser()
     model_prep.add_cli(commands)
     for role, what in (("prefill", "a vLLM engine that prefills prompts"),
                        ("decode", "a vLLM engine that decodes, pulling prompts' KV from prefill workers"),
@@ -32,11 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_arguments(serve, PoolSettings, with_config_flag=False)
     serve.set_defaults(func=_run_serve)
     _add_keys_commands(commands)
+    worker_probe.add_cli(commands)
     _add_bench_commands(commands)
     return parser
 
 
 def _add_keys_commands(commands) -> None:
+    from foundation import cluster_keys
+
     keys = commands.add_parser("keys", help="the cluster's keys (docs/security.md)")
     actions = keys.add_subparsers(dest="keys", required=True)
     init = actions.add_parser("init", help="create a key folder: CURVE keys of the orchestrator and worker roles "
@@ -50,6 +71,13 @@ def _add_keys_commands(commands) -> None:
     workers.add_argument("out", type=Path, help="the new folder for workers")
     workers.set_defaults(func=lambda args: _print(f"worker keys written to "
                                                   f"{cluster_keys.worker_set(args.folder, args.out)}"))
+    install = actions.add_parser("install", help="copy a key folder that others may read (a Kubernetes Secret "
+                                                 "volume) into a new private one (0700, files 0600) that "
+                                                 "--cluster-keys accepts")
+    install.add_argument("source", type=Path, help="the folder holding the key files, e.g. a mounted Secret")
+    install.add_argument("folder", type=Path, help="the new private folder")
+    install.set_defaults(func=lambda args: _print(f"cluster keys installed in "
+                                                  f"{cluster_keys.install(args.source, args.folder)}"))
 
 
 def _print(line: str) -> int:
@@ -65,12 +93,14 @@ def _add_bench_commands(commands) -> None:
 
 
 def _add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
+    from foundation import config
     from orchestrator.settings import OrchestratorSettings
 
     config.add_arguments(parser, OrchestratorSettings)
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
+    from foundation import config, model_prep
     from orchestrator.app import run_orchestrator
     from orchestrator.settings import OrchestratorSettings
 
@@ -80,6 +110,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from foundation import config
     from kvroute.serve import PoolSettings, run_serve
     from orchestrator.settings import OrchestratorSettings
 
@@ -88,6 +119,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
+    from worker import cli_args as worker_cli
     from worker.process import run_worker
 
     run_worker(worker_cli.settings_from_args(args, role), args.ready_file)
@@ -95,11 +127,12 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_probe_parser() if argv[:1] == ["probe"] else build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (config.ConfigError, ValueError) as error:
+    except ValueError as error:  # foundation.config.ConfigError included
         # One line: a settings error is about values, so argparse's usage text would only bury it.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 

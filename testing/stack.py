@@ -137,14 +137,17 @@ class SyntheticStack:
     Worker ids are role-index (``decode-1``); ``worker_processes`` maps them to processes."""
 
     def __init__(self, model: str, log_path: Path, extra_args: list[str], token_seconds: float,
-                 roles: tuple[str, ...] = ("prefill", "decode"), worker_args: tuple[str, ...] = ()):
-        """``extra_args`` go to the orchestrator, ``worker_args`` to every worker."""
+                 roles: tuple[str, ...] = ("prefill", "decode"), worker_args: tuple[str, ...] = (),
+                 registry_by_name: bool = False):
+        """``extra_args`` go to the orchestrator, ``worker_args`` to every worker;
+        ``registry_by_name``: workers find the registry as ``dns://localhost:PORT``."""
         self.port, registry_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.command = [sys.executable, "-m", "kvroute", "orchestrator", "--port", str(self.port),
                         "--registry-port", str(registry_port), "--model", model, *extra_args]
-        self.registry = registry = f"tcp://127.0.0.1:{registry_port}"  # where its workers heartbeat
+        self.registry = f"tcp://127.0.0.1:{registry_port}"  # where its workers heartbeat
+        registry = f"dns://localhost:{registry_port}" if registry_by_name else self.registry
         worker_ids = [f"{role}-{roles[:i].count(role)}" for i, role in enumerate(roles)]
         workers = [[sys.executable, "-m", "testing.synthetic_worker", "--role", role, "--model", model,
                     "--worker-id", worker_id, "--orchestrator", registry, "--token-seconds", str(token_seconds),

@@ -16,7 +16,7 @@ Usage::
 
     python -m testing.synthetic_worker --role prefill --model DIR --orchestrator tcp://HOST:PORT
         [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--drain-seconds 30]
-        [--pull-bytes-per-second 0] [--ready-file PATH]
+        [--pull-bytes-per-second 0] [--ready-file PATH] [--status-file PATH]
 
 SIGTERM drains it as it drains a real worker (``worker.drain``); SIGINT stops it.
 
@@ -56,6 +56,7 @@ from worker.queued_prefill import head_prompt_age, queued_prefill
 from worker.resident import ResidentBlocks
 from worker.rpc_server import RpcServer
 from worker.settings import WorkerSettings
+from worker.status_file import status_writer
 
 logger = logging.getLogger("kvroute.worker.synthetic")
 
@@ -185,8 +186,13 @@ class SyntheticWorker:
                                block_size=BLOCK_SIZE, bytes_per_block=BYTES_PER_BLOCK)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
-                            draining=self.server is not None and self.server.draining)
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now, draining=self.draining())
+
+    def draining(self) -> bool:
+        return self.server is not None and self.server.draining
+
+    def engine_problem(self) -> str:
+        return "injected failure (SIGUSR1)" if self.engine.failing else ""
 
     async def stats(self) -> wire.WorkerStats:
         s = self.settings
@@ -209,7 +215,8 @@ class SyntheticWorker:
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
                                 self.reset_cache, self.transfer_of)
-        heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat)
+        heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat, s.orchestrator_resolve_seconds,
+                                     status_writer(s, self.engine_problem, self.draining))
         tasks = [asyncio.create_task(self.server.serve()),
                  asyncio.create_task(heartbeats.run(s.heartbeat_seconds))]
         logger.info("synthetic %s worker %s at %s", s.role, s.worker_id, s.rpc_address)
@@ -233,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a decode acts out the pull of its prompt's blocks at this speed and reports it "
                              "(default: %(default)s, ignore pull sources)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
+    parser.add_argument("--status-file", default="", help="health for `kvroute probe worker`, as a real worker's")
     zmq_auth.add_security_arguments(parser)
     return parser.parse_args(argv)
 
@@ -243,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     zmq_auth.configure_from_flags(args.cluster_keys, args.insecure_no_auth, "worker",
                                   args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
-                              worker_id=args.worker_id, drain_seconds=args.drain_seconds)
+                              worker_id=args.worker_id, drain_seconds=args.drain_seconds,
+                              status_file=args.status_file)
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds, args.pull_bytes_per_second)
     try:
         asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())

@@ -28,8 +28,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=defaults.host, help="address peers use to reach this worker")
     parser.add_argument("--bind-host", default=defaults.bind_host, help="interface to bind (default: %(default)s)")
     parser.add_argument("--orchestrator", action="append", default=None,
-                        help="orchestrator registration address, e.g. tcp://10.0.0.1:7001; repeat for "
-                             "replicas (env KVROUTE_ORCHESTRATOR, comma-separated)")
+                        help="orchestrator registration address, e.g. tcp://10.0.0.1:7001, or dns://NAME:PORT "
+                             "for every address NAME resolves to (a headless Service's replicas), looked up "
+                             "again every --orchestrator-resolve-seconds; repeat for replicas (env "
+                             "KVROUTE_ORCHESTRATOR, comma-separated)")
+    parser.add_argument("--orchestrator-resolve-seconds", type=float, default=defaults.orchestrator_resolve_seconds,
+                        help="how often a dns:// orchestrator name is looked up again (default: %(default)s)")
+    parser.add_argument("--status-file", default=os.environ.get("KVROUTE_STATUS_FILE", ""),
+                        help="write the worker's health here after every heartbeat round, for `kvroute probe "
+                             "worker` (env KVROUTE_STATUS_FILE; default: none)")
     parser.add_argument("--heartbeat-seconds", type=float, default=defaults.heartbeat_seconds,
                         help="heartbeat interval (default: %(default)s)")
     for name in ("rpc", "kv-events", "transfer"):
@@ -97,6 +104,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, max_model_len=args.max_model_len,
         host=args.host, bind_host=args.bind_host, rpc_port=args.rpc_port,
         kv_events_port=args.kv_events_port, orchestrators=orchestrator_addresses(args),
+        orchestrator_resolve_seconds=args.orchestrator_resolve_seconds, status_file=args.status_file,
         heartbeat_seconds=args.heartbeat_seconds,
         transfer_port=args.transfer_port, lease_seconds=args.lease_seconds,
         lease_staging_gib=args.lease_staging_gib,

@@ -35,6 +35,7 @@ from worker.queued_prefill import head_prompt_age, queued_prefill
 from worker.resident import ResidentBlocks, follow
 from worker.rpc_server import RpcServer
 from worker.settings import WorkerSettings
+from worker.status_file import status_writer
 
 logger = logging.getLogger("kvroute.worker")
 STATS_TIMEOUT = 5.0  # the transfer endpoint shares its process with a busy engine
@@ -73,7 +74,9 @@ class Worker:
             tasks = [asyncio.create_task(follow(self.resident, relay.local_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
-            heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat)
+            heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat,
+                                         self.settings.orchestrator_resolve_seconds,
+                                         status_writer(self.settings, self.engine_problem, self.draining))
             tasks += [asyncio.create_task(self.server.serve()),
                       asyncio.create_task(heartbeats.run(self.settings.heartbeat_seconds))]
             self._announce()
@@ -111,9 +114,15 @@ class Worker:
             block_size=config.block_size, bytes_per_block=self.layout.bytes_per_block if self.layout else 0)
 
     def heartbeat(self, now: float) -> wire.Heartbeat:
-        return heartbeat_of(self.settings, self.load(), self.fingerprint, now,
-                            draining=self.server is not None and self.server.draining,
+        return heartbeat_of(self.settings, self.load(), self.fingerprint, now, draining=self.draining(),
                             prefill_probe=self.prefill_probe, cores=self.cores)
+
+    def draining(self) -> bool:
+        return self.server is not None and self.server.draining
+
+    def engine_problem(self) -> str:
+        """Why the engine cannot serve (vLLM's engine core died), or "" when it can."""
+        return "the vLLM engine core is dead" if self.engine.errored else ""
 
     def snapshot(self, request_id: str) -> wire.KVSnapshot:
         return self.resident.snapshot(request_id, self.settings.incarnation)

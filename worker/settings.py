@@ -18,6 +18,7 @@ from transfer.link_names import (
     parse_link_hosts,
     transfer_checksum_on,
 )
+from worker.orchestrator_targets import DEFAULT_RESOLVE_SECONDS, parse_entry
 
 DECODE_LONG_PREFILL_TOKENS = 256
 PREFILL_LONG_PREFILL_TOKENS = 256
@@ -49,8 +50,13 @@ class WorkerSettings:
     rpc_port: int = 0  # 0: pick a free port at start
     kv_events_port: int = 0
     transfer_port: int = 0
-    orchestrators: tuple[str, ...] = ()  # registration/heartbeat endpoints to report to
+    # Registration/heartbeat endpoints to report to: tcp://HOST:PORT, or dns://NAME:PORT for
+    # every address NAME has, looked up every orchestrator_resolve_seconds (worker.orchestrator_targets).
+    orchestrators: tuple[str, ...] = ()
+    orchestrator_resolve_seconds: float = DEFAULT_RESOLVE_SECONDS
     heartbeat_seconds: float = 1.0
+    # Written after every heartbeat round for probes outside the process (worker.status_file); "": none.
+    status_file: str = ""
     lease_seconds: float = 30.0
     lease_staging_gib: float = 1.0  # host copies of leased blocks; 0: hold them in the engine
     pull_timeout_seconds: float = 10.0
@@ -109,6 +115,10 @@ class WorkerSettings:
         parse_cpus(self.transfer_cpus)  # a bad list fails here, not inside the engine
         # Orchestrators refuse heartbeats with a malformed id or address: fail here, saying why.
         check_host(self.host, "host (the address other processes reach this worker at)")
+        for entry in self.orchestrators:
+            parse_entry(entry)
+        if self.orchestrator_resolve_seconds <= 0:
+            raise ValueError("orchestrator_resolve_seconds must be positive")
         if self.worker_id:
             check_name(self.worker_id, "worker_id")
         check_transfer_link(self.transfer_link)

@@ -87,3 +87,37 @@ async def test_a_restarted_orchestrator_gets_current_beats_and_the_worker_regist
     registrations = [r.getMessage() for r in caplog.records if r.getMessage().startswith("registered with")]
     assert [m.split("(")[-1] for m in registrations] == ["orchestrator-1)", "orchestrator-2)"], registrations
     assert any("takes no heartbeats" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_dns_name_reaches_every_replica_it_resolves_to_and_follows_its_changes():
+    """Two registries on one port of two loopback addresses, named by one DNS name (a headless
+    Service's records): both get beats; once the name loses one address, its socket closes
+    and only the other gets beats; the status callback sees what each replica said."""
+    port = free_port()
+    first = FakeOrchestrator(tcp("127.0.0.1", port), "first")
+    second = FakeOrchestrator(tcp("127.0.0.2", port), "second")
+    records = {"registry.test": ["127.0.0.1", "127.0.0.2"]}
+    rounds: list[dict] = []
+
+    async def lookup(name: str, port: int) -> list[str]:
+        return records[name]
+
+    sender = HeartbeatSender((f"dns://registry.test:{port}",), beat, resolve_seconds=0.2,
+                             after_round=lambda registrations: rounds.append(
+                                 {address: r.accepted for address, r in registrations.items()}),
+                             lookup=lookup)
+    task = asyncio.create_task(sender.run(interval_seconds=0.01))
+    try:
+        await asyncio.gather(first.receive(0.5), second.receive(0.5))
+        assert first.sent_at and second.sent_at
+        assert rounds[-1] == {tcp("127.0.0.1", port): True, tcp("127.0.0.2", port): True}
+        records["registry.test"] = ["127.0.0.2"]
+        changed_at = time.time()
+        await asyncio.gather(first.receive(2.0), second.receive(2.0))  # the name is looked up again within 0.2 s
+        assert max(first.sent_at) < changed_at + 1.0, "beats still went to the replica the name no longer has"
+        assert sum(sent > changed_at + 1.0 for sent in second.sent_at) > 10
+        assert rounds[-1] == {tcp("127.0.0.2", port): True}
+    finally:
+        await stopped(task)
+        first.close()
+        second.close()

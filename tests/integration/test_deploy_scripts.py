@@ -122,6 +122,7 @@ def kill_group(pid: int | None) -> None:
     (["prefill", "auto", "--orchestrator", "tcp://127.0.0.1:7001"], "found no GPU"),
     (["prefill", "--orchestrator", "tcp://127.0.0.1:7001"], "expected ROLE and COUNT"),
     (["prefill", "1", "--orchestrator", "not an address"], "is not a registry address"),
+    (["prefill", "1", "--orchestrator", "dns://kvroute-registry"], "is not a registry address"),
     (["prefill", "1", "--orchestrator"], "--orchestrator needs a value"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--kv-cache-gib", "1"], "unknown option"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--python", "/no/such/python"], "not found"),
@@ -172,9 +173,9 @@ def test_help_exits_zero():
 
 def test_start_and_stop_a_cpu_pool(fakes):
     log_dir = fakes["log_dir"]
-    started = run(START, "prefill", "2", "--orchestrator", "tcp://127.0.0.1:7001", "--log-dir", str(log_dir),
-                  "--python", str(fakes["python"]), "--model", "/models/m", "--", "--kv-cache-gib", "0.5",
-                  env=fakes["env"])
+    started = run(START, "prefill", "2", "--orchestrator", "tcp://127.0.0.1:7001", "--orchestrator",
+                  "dns://localhost:7002", "--log-dir", str(log_dir), "--python", str(fakes["python"]),
+                  "--model", "/models/m", "--", "--kv-cache-gib", "0.5", env=fakes["env"])
     pids = []
     try:
         assert started.returncode == 0, started.stderr
@@ -187,7 +188,7 @@ def test_start_and_stop_a_cpu_pool(fakes):
             assert os.getsid(pid) == os.getsid(0), "in the caller's session: one scheduler autogroup"
             argv, env = records(fakes["records"], pid)
             assert argv[:3] == ["-m", "kvroute", "prefill-worker"]
-            assert flag_values(argv, "--orchestrator") == ["tcp://127.0.0.1:7001"]
+            assert flag_values(argv, "--orchestrator") == ["tcp://127.0.0.1:7001", "dns://localhost:7002"]
             assert flag_values(argv, "--omp-threads-bind") == [str(i % os.cpu_count())]
             assert flag_values(argv, "--model") == ["/models/m"]
             assert flag_values(argv, "--cluster-keys") == [os.environ["KVROUTE_CLUSTER_KEYS"]]

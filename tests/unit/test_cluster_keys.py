@@ -86,3 +86,45 @@ def test_serve_without_keys_makes_a_folder_for_its_run_and_removes_it():
         assert settings is given
     with run_keys(OrchestratorSettings(insecure_no_auth=True)) as settings:
         assert settings.cluster_keys == ""
+
+
+def secret_volume(tmp_path, keys):
+    """A key folder laid out as kubelet mounts a Secret for a pod with an fsGroup: a folder
+    anyone may list (0777), each file a link into ``..data``, the files group-readable (0440)."""
+    mount = tmp_path / "secret"
+    data = mount / "..2024_01_01_00_00_00.000000001"
+    data.mkdir(parents=True)
+    for path in keys.iterdir():
+        (data / path.name).write_bytes(path.read_bytes())
+        os.chmod(data / path.name, 0o440)
+    (mount / "..data").symlink_to(data.name)
+    for path in keys.iterdir():
+        (mount / path.name).symlink_to(f"..data/{path.name}")
+    os.chmod(mount, 0o777)
+    return mount
+
+
+def test_install_makes_a_loadable_private_copy_of_a_secret_volume(tmp_path):
+    keys = cluster_keys.worker_set(cluster_keys.init(tmp_path / "all"), tmp_path / "workers")
+    mount = secret_volume(tmp_path, keys)
+    with pytest.raises(ClusterKeyError, match="open to other users"):
+        cluster_keys.load(mount)  # why the pods install a copy rather than read the mount
+    copy = cluster_keys.install(mount, tmp_path / "run" / "keys")
+    assert sorted(path.name for path in copy.iterdir()) == sorted(path.name for path in keys.iterdir())
+    assert os.stat(copy).st_mode & 0o777 == 0o700
+    assert all(os.lstat(path).st_mode & 0o777 == 0o600 for path in copy.iterdir())
+    assert cluster_keys.load(copy).public("worker") == cluster_keys.load(keys).public("worker")
+    with pytest.raises(ClusterKeyError, match="never overwritten"):
+        cluster_keys.install(mount, copy)
+
+
+def test_install_refuses_a_folder_without_keys_and_leaves_nothing_of_a_broken_one(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ClusterKeyError, match="not a kvroute key folder"):
+        cluster_keys.install(tmp_path / "empty", tmp_path / "copy")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "worker.key_secret").write_text("not a key")
+    with pytest.raises(ClusterKeyError, match="no orchestrator.key"):
+        cluster_keys.install(broken, tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
