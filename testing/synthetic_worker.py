@@ -16,7 +16,7 @@ Usage::
 
     python -m testing.synthetic_worker --role prefill --model DIR --orchestrator tcp://HOST:PORT
         [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--drain-seconds 30]
-        [--pull-bytes-per-second 0] [--ready-file PATH]
+        [--pull-bytes-per-second 0] [--ready-file PATH] [--otlp-endpoint URL [--otlp-protocol http|grpc]]
 
 SIGTERM drains it as it drains a real worker (``worker.drain``); SIGINT stops it.
 
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foundation import wire, zmq_auth
+from foundation import tracing, wire, zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context
 from transfer.request_params import PARAMS_KEY, prompt_digest
@@ -152,8 +152,10 @@ class SyntheticEngine:
     async def _act_out_pull(self, request_id: str, source: wire.PullSource) -> None:
         num_bytes = -(-source.num_tokens // source.block_size) * BYTES_PER_BLOCK
         seconds = num_bytes / self.timing.pull_bytes_per_second
+        started_at = time.time()
         await asyncio.sleep(seconds)
-        self.pulls[request_id] = wire.PullRecord(request_id, source.address, num_bytes, seconds, ok=True)
+        self.pulls[request_id] = wire.PullRecord(request_id, source.address, num_bytes, seconds, ok=True,
+                                                 started_at=started_at)
 
     def _source(self, prompt: dict) -> wire.PullSource:
         tokens = prompt["prompt_token_ids"]
@@ -208,7 +210,7 @@ class SyntheticWorker:
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
-                                self.reset_cache, self.transfer_of)
+                                self.reset_cache, self.transfer_of, model=s.model)
         heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat)
         tasks = [asyncio.create_task(self.server.serve()),
                  asyncio.create_task(heartbeats.run(s.heartbeat_seconds))]
@@ -234,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default: %(default)s, ignore pull sources)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
     zmq_auth.add_security_arguments(parser)
+    tracing.add_tracing_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -243,12 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     zmq_auth.configure_from_flags(args.cluster_keys, args.insecure_no_auth, "worker",
                                   args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
-                              worker_id=args.worker_id, drain_seconds=args.drain_seconds)
+                              worker_id=args.worker_id, drain_seconds=args.drain_seconds,
+                              otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol).with_ports()
+    settings.configure_tracing()
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds, args.pull_bytes_per_second)
     try:
         asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
     finally:
         flush_async_context()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":
