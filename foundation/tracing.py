@@ -191,8 +191,9 @@ def _present(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def carrier(span: Span) -> dict[str, str] | None:
     """``span`` as W3C trace-context headers (``traceparent``, and ``tracestate`` if any), to send
-    to another process; None when it records nothing, so an untraced request carries nothing."""
-    if not span.is_recording():
+    to another process; None for ``NO_SPAN``, so an untraced request carries nothing. A span the
+    sampler dropped still travels (unsampled), so the other process drops its spans too."""
+    if not span.get_span_context().is_valid:
         return None
     headers: dict[str, str] = {}
     _propagator.inject(headers, trace.set_span_in_context(span, Context()))

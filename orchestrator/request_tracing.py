@@ -21,6 +21,7 @@ from orchestrator.planner.views import Decision, Plan
 
 PLACEMENT = "kvroute.placement"
 CLIENT_GONE = "client_gone"  # the error.type of a request whose client left before its end
+_NOTHING_TO_END = contextlib.nullcontext()  # reusable: an untraced request's whole cost of ``until_done``
 
 
 class ApiCall:
@@ -40,9 +41,12 @@ class ApiCall:
         gone = isinstance(error, (GeneratorExit, asyncio.CancelledError))
         self._error = CLIENT_GONE if gone else error
 
-    @contextlib.contextmanager
-    def until_done(self, outcomes: Sequence) -> Iterator[None]:
+    def until_done(self, outcomes: Sequence):
         """Around the work of the response: the span ends with it, failed if it raises."""
+        return self._until_done(outcomes) if self.span.is_recording() else _NOTHING_TO_END
+
+    @contextlib.contextmanager
+    def _until_done(self, outcomes: Sequence) -> Iterator[None]:
         try:
             yield
         except BaseException as error:

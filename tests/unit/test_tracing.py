@@ -144,3 +144,22 @@ def test_bad_endpoints_and_protocols_are_refused_saying_why(endpoint, protocol):
 ])
 def test_a_bare_http_collector_address_gets_the_traces_path(endpoint, url):
     assert tracing.traces_url(endpoint) == url
+
+
+def test_a_dropped_trace_stays_dropped_in_the_process_it_travels_to(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # keep none: the orchestrator's choice
+    exporter = InMemorySpanExporter()
+    tracing.install(exporter, "kvroute-test", batch=False)
+    try:
+        api = tracing.start_span("api", kind=tracing.SERVER)
+        assert not api.is_recording()
+        headers = tracing.carrier(api)
+        assert int(headers["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # not sampled, and said so
+        worker = tracing.start_span("kvroute.decode", tracing.remote_parent(headers))
+        assert not worker.is_recording()  # not a trace of its own either
+        tracing.end_span(worker)
+        tracing.end_span(api)
+        assert exporter.get_finished_spans() == ()
+    finally:
+        tracing.shutdown()
