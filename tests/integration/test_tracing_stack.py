@@ -16,7 +16,7 @@ import pytest
 from foundation.model_prep import resolve_model
 from testing.stack import running_synthetic_stack
 from testing.synthetic_worker import BLOCK_SIZE, BYTES_PER_BLOCK
-from tests.integration.otlp_receiver import ReceivedSpan, running_otlp_receiver
+from tests.otlp_receiver import ReceivedSpan, running_otlp_receiver
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name: its folder's
 PROMPT = "Explain how a prefix cache saves work for requests that share a system prompt. " * 20

@@ -1,7 +1,8 @@
-"""A local OTLP/HTTP receiver for a test: accepts ``POST /v1/traces`` on a free loopback port,
-decodes each ``ExportTraceServiceRequest`` (protobuf, plain or gzip) with opentelemetry-proto,
-and keeps every span it was sent, with its process's resource attributes. What a real
-collector (Jaeger, Tempo, the OpenTelemetry Collector) would receive from kvroute."""
+"""Local OTLP receivers for tests, on a free loopback port: over HTTP (``POST /v1/traces``,
+protobuf, plain or gzip) or gRPC (the ``TraceService/Export`` call). Each decodes every
+``ExportTraceServiceRequest`` with opentelemetry-proto and keeps every span it was sent, with
+its process's resource attributes: what a real collector (Jaeger, Tempo, the OpenTelemetry
+Collector) would receive from kvroute."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import gzip
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
+    TraceServiceServicer,
+    add_TraceServiceServicer_to_server,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
@@ -48,8 +55,7 @@ def _attributes(key_values) -> dict:
     return {pair.key: _value(pair.value) for pair in key_values}
 
 
-def decode_spans(body: bytes) -> list[ReceivedSpan]:
-    request = ExportTraceServiceRequest.FromString(body)
+def decode_spans(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
     spans = []
     for resource_spans in request.resource_spans:
         resource = _attributes(resource_spans.resource.attributes)
@@ -64,8 +70,8 @@ def decode_spans(body: bytes) -> list[ReceivedSpan]:
 
 
 class OtlpReceiver:
-    def __init__(self, server: ThreadingHTTPServer):
-        self.url = f"http://127.0.0.1:{server.server_address[1]}"  # a bare collector address, as users give it
+    def __init__(self, port: int):
+        self.url = f"http://127.0.0.1:{port}"  # a bare collector address, as users give it
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self.requests = 0
@@ -98,7 +104,7 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
                 return self._reply(404, b"")
             if self.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
-            receiver.add(decode_spans(body))
+            receiver.add(decode_spans(ExportTraceServiceRequest.FromString(body)))
             self._reply(200, ExportTraceServiceResponse().SerializeToString())
 
         def _reply(self, status: int, payload: bytes) -> None:
@@ -116,8 +122,9 @@ def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
 
 @contextmanager
 def running_otlp_receiver() -> Iterator[OtlpReceiver]:
+    """The OTLP/HTTP receiver, serving until the block ends."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), None)
-    receiver = OtlpReceiver(server)
+    receiver = OtlpReceiver(server.server_address[1])
     server.RequestHandlerClass = _handler(receiver)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -127,3 +134,26 @@ def running_otlp_receiver() -> Iterator[OtlpReceiver]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+class _TraceService(TraceServiceServicer):
+    def __init__(self, receiver: OtlpReceiver):
+        self.receiver = receiver
+
+    def Export(self, request, context):  # noqa: N802 (the gRPC method's name)
+        self.receiver.add(decode_spans(request))
+        return ExportTraceServiceResponse()
+
+
+@contextmanager
+def running_otlp_grpc_receiver() -> Iterator[OtlpReceiver]:
+    """The OTLP/gRPC receiver (plaintext, as an ``http://`` endpoint asks), serving until the block ends."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    receiver = OtlpReceiver(port)
+    add_TraceServiceServicer_to_server(_TraceService(receiver), server)
+    server.start()
+    try:
+        yield receiver
+    finally:
+        server.stop(grace=None)
