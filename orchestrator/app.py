@@ -12,7 +12,7 @@ from pathlib import Path
 import uvloop
 from fastapi import APIRouter, FastAPI
 
-from foundation import zmq_auth
+from foundation import tracing, zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from orchestrator.admin_routes import admin_routers
 from orchestrator.api import ApiContext, build_routers
@@ -123,11 +123,15 @@ def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings.configure_security()
+    settings.configure_tracing()
     servers = listeners(create_apps(settings), settings, graceful_seconds=10)
 
     async def serve() -> None:
         stop_on_signals(servers)
         await serve_all(servers)
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve())
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve())
+    finally:
+        tracing.shutdown()  # the last requests' spans are exported, not lost

@@ -82,12 +82,14 @@ def decode_sampling(sampling: wire.SamplingSpec) -> wire.SamplingSpec:
 async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, record: HandoffRecord,
                                  prompt_token_ids: list[int], sampling: wire.SamplingSpec,
                                  cache_salt: str | None = None, timeout: float = 60.0,
-                                 patience: Patience | None = None) -> AsyncIterator[wire.GenerateChunk]:
+                                 patience: Patience | None = None,
+                                 trace_context: dict[str, str] | None = None) -> AsyncIterator[wire.GenerateChunk]:
     """Yield chunks of generated tokens; ``record`` is filled in as the request runs.
-    ``patience``: for each worker, what to do when ``timeout`` passes with no token."""
+    ``patience``: for each worker, what to do when ``timeout`` passes with no token.
+    ``trace_context``: the parent of both workers' spans (``foundation.tracing.carrier``)."""
     record.prompt_tokens = len(prompt_token_ids)
     first = await _prefill(prefill, record, prompt_token_ids, sampling, cache_salt, timeout,
-                           patience and patience.prefill)
+                           patience and patience.prefill, trace_context)
     source = first.pull_source
     ends = first_token_ends(first, sampling)
     head = msgspec.structs.replace(first, finished=ends, pull_source=None,
@@ -99,7 +101,8 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, re
             return
         async for chunk in decode.generate(wire.GenerateRequest(
                 request_id=record.request_id, prompt_token_ids=prompt_token_ids + first.token_ids,
-                sampling=decode_sampling(sampling), cache_salt=cache_salt, pull_from=source), timeout,
+                sampling=decode_sampling(sampling), cache_salt=cache_salt, pull_from=source,
+                trace_context=trace_context), timeout,
                 patience and patience.decode):
             _observe(record, chunk)
             source = None if chunk.finished else source  # the consumer owns the lease now
@@ -112,14 +115,15 @@ async def generate_disaggregated(prefill: WorkerClient, decode: WorkerClient, re
 async def generate_pulled(source: WorkerClient, sink: WorkerClient, record: HandoffRecord,
                           prompt_token_ids: list[int], lend_tokens: int, sampling: wire.SamplingSpec,
                           cache_salt: str | None = None, timeout: float = 60.0,
-                          patience: Patience | None = None) -> AsyncIterator[wire.GenerateChunk]:
+                          patience: Patience | None = None,
+                          trace_context: dict[str, str] | None = None) -> AsyncIterator[wire.GenerateChunk]:
     """The PULL plan: ``source`` lends the prompt's first ``lend_tokens`` tokens (whole blocks it
     holds cached); ``sink`` pulls them, computes the rest and generates every token."""
     lease = None
     lend = HandoffRecord(request_id=f"{record.request_id}-lend")
     try:
         lent = await _prefill(source, lend, prompt_token_ids[:lend_tokens], sampling, cache_salt, timeout,
-                              patience and patience.prefill)
+                              patience and patience.prefill, trace_context)
         lease = lent.pull_source
     except WorkerError as error:
         record.lend_error = error
@@ -127,7 +131,8 @@ async def generate_pulled(source: WorkerClient, sink: WorkerClient, record: Hand
                        lend_tokens, error)
     try:
         request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
-                                       sampling=sampling, cache_salt=cache_salt, pull_from=lease)
+                                       sampling=sampling, cache_salt=cache_salt, pull_from=lease,
+                                       trace_context=trace_context)
         async for chunk in _generate(sink, record, request, timeout, patience and patience.decode):
             lease = None if chunk.finished else lease  # a finished sink request gave the lease back
             yield chunk
@@ -138,9 +143,10 @@ async def generate_pulled(source: WorkerClient, sink: WorkerClient, record: Hand
 
 async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
                    sampling: wire.SamplingSpec, cache_salt: str | None, timeout: float,
-                   on_timeout: OnTimeout | None) -> wire.GenerateChunk:
+                   on_timeout: OnTimeout | None, trace_context: dict[str, str] | None) -> wire.GenerateChunk:
     request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
-                                   sampling=prefill_sampling(sampling), cache_salt=cache_salt, hold_blocks=True)
+                                   sampling=prefill_sampling(sampling), cache_salt=cache_salt, hold_blocks=True,
+                                   trace_context=trace_context)
     chunks = [chunk async for chunk in prefill.generate(request, timeout, on_timeout)]
     first = chunks[-1]
     first.token_ids = [t for chunk in chunks for t in chunk.token_ids]
@@ -152,10 +158,11 @@ async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_id
 
 async def generate_local(decode: WorkerClient, record: HandoffRecord, prompt_token_ids: list[int],
                          sampling: wire.SamplingSpec, cache_salt: str | None = None, timeout: float = 60.0,
-                         on_timeout: OnTimeout | None = None) -> AsyncIterator[wire.GenerateChunk]:
+                         on_timeout: OnTimeout | None = None,
+                         trace_context: dict[str, str] | None = None) -> AsyncIterator[wire.GenerateChunk]:
     """The LOCAL plan: the decode worker prefills the prompt itself, using its own cache."""
     request = wire.GenerateRequest(request_id=record.request_id, prompt_token_ids=prompt_token_ids,
-                                   sampling=sampling, cache_salt=cache_salt)
+                                   sampling=sampling, cache_salt=cache_salt, trace_context=trace_context)
     async for chunk in _generate(decode, record, request, timeout, on_timeout):
         yield chunk
 

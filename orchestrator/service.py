@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from foundation import identity, wire
+from foundation import identity, tracing, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
@@ -49,6 +49,7 @@ from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, WorkerView
 from orchestrator.queue_patience import QueuePatience
 from orchestrator.recent_activity import RecentActivity
+from orchestrator.request_tracing import describe, placement_span
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
 
@@ -70,6 +71,8 @@ class Job:
     choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived_at: float = field(default_factory=time.perf_counter)
+    # The API call's span (orchestrator.request_tracing): the parent of its placements' and workers' spans.
+    trace_span: tracing.Span = field(default=tracing.NO_SPAN, repr=False, compare=False)
     _block_hashes: dict[int, list[identity.BlockHash]] = field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
 
@@ -276,7 +279,9 @@ class CompletionService:
     async def _attempt(self, attempt: Job, job: Job, outcome: Outcome, text,
                        excluded: set[str]) -> AsyncIterator[Delta]:
         """One placement of the job (the first, or a continuation after a failure)."""
-        decision, record = await self.admit(attempt, excluded)
+        with placement_span(attempt.trace_span, attempt.request_id) as span:
+            decision, record = await self.admit(attempt, excluded)
+            describe(span, decision)
         if outcome.record is None:
             outcome.record = record
         plan = decision.chosen
@@ -330,16 +335,17 @@ class CompletionService:
 
     def _tokens(self, plan: Plan, job: Job, handoff: HandoffRecord) -> AsyncIterator[wire.GenerateChunk]:
         decode = self._client(plan.decode_worker)
+        trace_context = tracing.carrier(job.trace_span)  # the workers' spans join the request's trace
         if plan.kind is PlanKind.LOCAL:
             return generate_local(decode, handoff, job.prompt_token_ids, job.sampling, job.cache_salt,
-                                  self.worker_timeout, self._patience(plan.decode_worker, job))
+                                  self.worker_timeout, self._patience(plan.decode_worker, job), trace_context)
         lender = plan.lending_worker
         patience = Patience(prefill=self._patience(lender, job), decode=self._patience(plan.decode_worker, job))
         if plan.kind is PlanKind.PULL:
             return generate_pulled(self._client(lender), decode, handoff, job.prompt_token_ids, plan.lend_tokens,
-                                   job.sampling, job.cache_salt, self.worker_timeout, patience)
+                                   job.sampling, job.cache_salt, self.worker_timeout, patience, trace_context)
         return generate_disaggregated(self._client(lender), decode, handoff, job.prompt_token_ids,
-                                      job.sampling, job.cache_salt, self.worker_timeout, patience)
+                                      job.sampling, job.cache_salt, self.worker_timeout, patience, trace_context)
 
     def _patience(self, worker_id: str, job: Job) -> OnTimeout:
         """A wait for ``worker_id`` that times out goes on while the worker is busy with its queue."""

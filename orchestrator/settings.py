@@ -6,7 +6,7 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
-from foundation import zmq_auth
+from foundation import tracing, zmq_auth
 from foundation.config import setting
 from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.pending_blocks import PendingSettings
@@ -107,6 +107,11 @@ class OrchestratorSettings:
                                                   "and hit rate")
     status_bucket_seconds: float = setting(10.0, "the status page's time resolution: requests are summed in "
                                                  "buckets this long (memory: window / bucket buckets)")
+    otlp_endpoint: str = setting("", "OpenTelemetry collector to send request traces to, e.g. http://127.0.0.1:4318 "
+                                     "(http) or http://127.0.0.1:4317 (grpc); `kvroute serve` gives it to its "
+                                     "workers too; empty: no tracing (docs/operations.md#tracing)")
+    otlp_protocol: str = setting("http", f"OTLP transport of otlp_endpoint: {' or '.join(tracing.PROTOCOLS)} "
+                                         f"(http: protobuf over HTTP)")
     log_level: str = setting("info", "log level: debug, info, warning, error")
     access_log: bool = setting(False, "log a line per HTTP request (uvicorn's access log); every completion "
                                       "already gets one on kvroute.decisions")
@@ -133,6 +138,7 @@ class OrchestratorSettings:
                              "max_connections and max_header_bytes must be at least 1, tokenize_in_thread_chars "
                              "not negative")
         self._check_exposure()
+        tracing.check(self.otlp_endpoint, self.otlp_protocol)
         if not (0 < self.worker_timeout_seconds < math.inf and 0 <= self.queue_wait_limit_seconds < math.inf):
             raise ValueError("worker_timeout_seconds must be positive and queue_wait_limit_seconds not negative, "
                              "both finite")
@@ -186,6 +192,10 @@ class OrchestratorSettings:
         """How this process's ZeroMQ sockets speak (foundation.zmq_auth); at start."""
         zmq_auth.configure_from_flags(self.cluster_keys, self.insecure_no_auth, "orchestrator",
                                       self.transfer_encryption == "on")
+
+    def configure_tracing(self) -> bool:
+        """Export this process's spans, if it has an OTLP endpoint (foundation.tracing); at start."""
+        return tracing.configure("kvroute-orchestrator", self.otlp_endpoint, self.otlp_protocol)
 
     @property
     def registry_address(self) -> str:

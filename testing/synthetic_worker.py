@@ -17,6 +17,7 @@ Usage::
     python -m testing.synthetic_worker --role prefill --model DIR --orchestrator tcp://HOST:PORT
         [--prefill-seconds-per-token 0.0001] [--token-seconds 0.005] [--drain-seconds 30]
         [--pull-bytes-per-second 0] [--ready-file PATH] [--status-file PATH]
+        [--otlp-endpoint URL [--otlp-protocol http|grpc]]
 
 SIGTERM drains it as it drains a real worker (``worker.drain``); SIGINT stops it.
 
@@ -46,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from foundation import wire, zmq_auth
+from foundation import tracing, wire, zmq_auth
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context
 from transfer.request_params import PARAMS_KEY, prompt_digest
@@ -153,8 +154,10 @@ class SyntheticEngine:
     async def _act_out_pull(self, request_id: str, source: wire.PullSource) -> None:
         num_bytes = -(-source.num_tokens // source.block_size) * BYTES_PER_BLOCK
         seconds = num_bytes / self.timing.pull_bytes_per_second
+        started_at = time.time()
         await asyncio.sleep(seconds)
-        self.pulls[request_id] = wire.PullRecord(request_id, source.address, num_bytes, seconds, ok=True)
+        self.pulls[request_id] = wire.PullRecord(request_id, source.address, num_bytes, seconds, ok=True,
+                                                 started_at=started_at)
 
     def _source(self, prompt: dict) -> wire.PullSource:
         tokens = prompt["prompt_token_ids"]
@@ -214,7 +217,7 @@ class SyntheticWorker:
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
-                                self.reset_cache, self.transfer_of)
+                                self.reset_cache, self.transfer_of, model=s.model)
         heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat, s.orchestrator_resolve_seconds,
                                      status_writer(s, self.engine_problem, self.draining))
         tasks = [asyncio.create_task(self.server.serve()),
@@ -242,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
     parser.add_argument("--status-file", default="", help="health for `kvroute probe worker`, as a real worker's")
     zmq_auth.add_security_arguments(parser)
+    tracing.add_tracing_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -252,12 +256,15 @@ def main(argv: list[str] | None = None) -> None:
                                   args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
                               worker_id=args.worker_id, drain_seconds=args.drain_seconds,
-                              status_file=args.status_file)
+                              status_file=args.status_file, otlp_endpoint=args.otlp_endpoint,
+                              otlp_protocol=args.otlp_protocol).with_ports()
+    settings.configure_tracing()
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds, args.pull_bytes_per_second)
     try:
         asyncio.run(SyntheticWorker(settings, timing, args.ready_file).run())
     finally:
         flush_async_context()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

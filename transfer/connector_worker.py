@@ -153,7 +153,7 @@ class ConnectorWorker:
         return finished_sending, finished | failed, failed
 
     def _pull(self, load: LoadSpec) -> None:
-        started = time.perf_counter()
+        started = (time.time(), time.perf_counter())  # when, for traces; and how long, precisely
         try:
             nbytes = self._pull_into_cache(load)
             self._record(load, nbytes, started, ok=True)
@@ -171,9 +171,11 @@ class ConnectorWorker:
             logger.warning("producer %s did not confirm the release of request %s's lease; it frees the "
                            "blocks when the lease expires", load.source.address, load.request_id)
 
-    def _record(self, load: LoadSpec, nbytes: int, started: float, ok: bool) -> None:
+    def _record(self, load: LoadSpec, nbytes: int, started: tuple[float, float], ok: bool) -> None:
+        started_at, started_counter = started
         self.pull_records.add(PullRecord(request_id=load.request_id, source=load.source.address,
-                                         num_bytes=nbytes, seconds=time.perf_counter() - started, ok=ok))
+                                         num_bytes=nbytes, seconds=time.perf_counter() - started_counter, ok=ok,
+                                         started_at=started_at))
 
     def _pull_into_cache(self, load: LoadSpec) -> int:
         assert self.cache is not None, "KV caches were never registered"

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from foundation.tracing import add_tracing_arguments
 from foundation.zmq_auth import add_security_arguments
 from transfer.link_names import CHECKSUM_CHOICES, DEFAULT_TRANSFER_CHECKSUM, LINK_CHOICES, transfer_checksum_on
 from worker.settings import WorkerSettings
@@ -91,6 +92,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "recomputed. Frames read from a shared copy on one host carry none "
                              "(default: %(default)s)")
     add_security_arguments(parser)
+    add_tracing_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None,
                         help="write the worker's addresses as JSON here once it serves")
 
@@ -116,7 +118,8 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,
         insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on",
-        transfer_checksum=transfer_checksum_on(args.transfer_checksum))
+        transfer_checksum=transfer_checksum_on(args.transfer_checksum),
+        otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol)
 
 
 def orchestrator_addresses(args: argparse.Namespace) -> tuple[str, ...]:

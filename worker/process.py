@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zmq
 
-from foundation import wire, zmq_auth
+from foundation import tracing, wire, zmq_auth
 from foundation.endpoint_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context, tcp
@@ -73,7 +73,8 @@ class Worker:
             # enter the resident set that snapshots (and so orchestrators' indexes) are built from.
             tasks = [asyncio.create_task(follow(self.resident, relay.local_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
-                                    self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of)
+                                    self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of,
+                                    model=self.settings.model)
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat,
                                          self.settings.orchestrator_resolve_seconds,
                                          status_writer(self.settings, self.engine_problem, self.draining))
@@ -195,7 +196,10 @@ def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     zmq_auth.configure_from_flags(settings.cluster_keys, settings.insecure_no_auth, "worker",
                                   settings.transfer_encryption)
+    settings = settings.with_ports()  # its worker id names it in traces
+    settings.configure_tracing()
     try:
         asyncio.run(Worker(settings, ready_file).run())
     finally:
         flush_async_context()
+        tracing.shutdown()  # the last spans are exported, not lost

@@ -22,6 +22,7 @@ from foundation.netutil import async_context
 from foundation.zmq_auth import peer_role, secure_server
 from worker.generation import engine_prompt, sampling_params, to_chunk
 from worker.queued_prefill import QueuedPrompt
+from worker.request_spans import request_spans
 
 logger = logging.getLogger("kvroute.worker.rpc")
 
@@ -38,8 +39,10 @@ class RpcServer:
     """Owns the socket and the table of running generate tasks."""
 
     def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider,
-                 reset_cache: ResetHandler, transfer_of: TransferLookup):
+                 reset_cache: ResetHandler, transfer_of: TransferLookup, model: str = ""):
+        """``model``: the engine's model (folder or hub id), named in the request spans."""
         self.engine = engine
+        self.model = model
         self._stats = stats
         self._snapshot = snapshot
         self._reset_cache = reset_cache
@@ -185,6 +188,7 @@ class RpcServer:
     async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         request_id = request.request_id
         self.prompts_waiting[request_id] = QueuedPrompt(request)
+        spans = request_spans(request, self.model)
         try:
             stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
             first = True
@@ -196,16 +200,22 @@ class RpcServer:
                 if first and request.pull_from is not None:
                     chunk.transfer = await self._transfer_of(request_id)
                 first = False
+                spans.observe(chunk)
                 if not await self._send(identity, chunk):
                     logger.info("request %s: its caller is gone; aborting it", request_id)
+                    spans.fail("caller_gone")
                     await self.engine.abort(request_id)
                     return
         except asyncio.CancelledError:
+            spans.fail("aborted")
             raise
         except Exception as error:  # an engine error fails this request, not the worker
             logger.warning("request %s failed: %s", request_id, error)
+            spans.fail(error)
             await self._send(identity, wire.ErrorReply(request_id=request_id, code=error_code(error),
                                                        message=str(error)))
+        finally:
+            spans.finish()
 
     async def _abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)

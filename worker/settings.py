@@ -6,6 +6,7 @@ import os
 import uuid
 from dataclasses import dataclass, field, replace
 
+from foundation import tracing
 from foundation.addresses import check_host
 from foundation.heartbeat_checks import check_name
 from foundation.netutil import free_port, tcp
@@ -92,6 +93,9 @@ class WorkerSettings:
     cluster_keys: str = ""
     insecure_no_auth: bool = False
     transfer_encryption: bool = True
+    # Where its spans go (foundation.tracing): an OTLP collector's URL; empty: no tracing.
+    otlp_endpoint: str = ""
+    otlp_protocol: str = "http"
     # The private ipc:// socket the engine publishes KV events on (set by the worker at
     # start; see worker.event_relay).
     kv_events_local_address: str = ""
@@ -123,6 +127,7 @@ class WorkerSettings:
             check_name(self.worker_id, "worker_id")
         check_transfer_link(self.transfer_link)
         parse_link_hosts(self.transfer_link_hosts)
+        tracing.check(self.otlp_endpoint, self.otlp_protocol)
 
     @property
     def long_prefill_step_tokens(self) -> int:
@@ -161,6 +166,11 @@ class WorkerSettings:
     @property
     def transfer_address(self) -> str:
         return tcp(self.host, self.transfer_port)
+
+    def configure_tracing(self) -> bool:
+        """Export this worker's spans, if it has an OTLP endpoint (call once the worker id is set)."""
+        return tracing.configure(f"kvroute-{self.role}-worker", self.otlp_endpoint, self.otlp_protocol,
+                                 {"service.instance.id": self.worker_id, "kvroute.worker.role": self.role})
 
     def apply_environment(self) -> None:
         """Process-wide settings vLLM reads from the environment; call before the engine starts."""

@@ -5,6 +5,7 @@ replicas (test_unified)."""
 from __future__ import annotations
 
 import math
+import time
 
 from foundation import wire
 from orchestrator.worker_client import WorkerClient
@@ -51,6 +52,8 @@ def assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> 
     # The decode worker reports this request's own pull, as its connector timed it.
     assert record.transfer is not None and record.transfer.ok
     assert record.transfer.num_bytes == bytes_moved and record.transfer.seconds > 0
+    # When it began, in wall-clock seconds: where the decode worker's kvroute.kv_pull span starts.
+    assert time.time() - 600 < record.transfer.started_at <= time.time() - record.transfer.seconds
     assert producer_after.transfer.bytes_sent - producer_before.transfer.bytes_sent == bytes_moved
     # Both workers run on this host, so the blocks came from the producer's shared copy
     # (transfer.shared_copies) unless the consumer was started with --no-shared-copies.

@@ -375,3 +375,13 @@ def test_serve_passes_shared_copies_to_its_workers(flags, shared):
     assert pool.shared_copies is shared
     args = worker_args(pool, OrchestratorSettings(), "model", Engine("unified", "0", None, 0.5))
     assert ("--no-shared-copies" in args) is not shared
+
+
+def test_the_orchestrators_trace_collector_comes_from_the_environment_and_is_checked():
+    settings = config.load(OrchestratorSettings, None, environ={"KVROUTE_OTLP_ENDPOINT": "http://collector:4317",
+                                                                "KVROUTE_OTLP_PROTOCOL": "grpc"})
+    assert (settings.otlp_endpoint, settings.otlp_protocol) == ("http://collector:4317", "grpc")
+    with pytest.raises(ConfigError, match="otlp_endpoint must be an http"):
+        config.load(OrchestratorSettings, None, environ={"KVROUTE_OTLP_ENDPOINT": "collector:4317"})
+    with pytest.raises(ConfigError, match="otlp_protocol"):
+        config.load(OrchestratorSettings, None, environ={"KVROUTE_OTLP_PROTOCOL": "zipkin"})

@@ -102,3 +102,13 @@ def test_workers_speak_under_the_orchestrators_keys():
     assert keyed[keyed.index("--transfer-encryption") + 1] == "off"
     insecure = worker_args(PoolSettings(), OrchestratorSettings(insecure_no_auth=True), "model", engine)
     assert "--insecure-no-auth" in insecure and "--cluster-keys" not in insecure
+
+
+def test_serve_gives_its_workers_the_trace_collector_and_none_without_one():
+    engine = plan_topology("1u", cores=[0, 1], gpus=0, kv_cache_gib=0.5).engines[0]
+    traced = worker_args(PoolSettings(), OrchestratorSettings(otlp_endpoint="http://127.0.0.1:4317",
+                                                              otlp_protocol="grpc"), "model", engine)
+    assert traced[traced.index("--otlp-endpoint") + 1] == "http://127.0.0.1:4317"
+    assert traced[traced.index("--otlp-protocol") + 1] == "grpc"
+    untraced = worker_args(PoolSettings(), OrchestratorSettings(), "model", engine)
+    assert "--otlp-endpoint" not in untraced and "--otlp-protocol" not in untraced

@@ -26,7 +26,7 @@ GENERATE_REQUEST = wire.GenerateRequest(
     hold_blocks=False,
     pull_from=PULL_SOURCE,
 )
-GENERATE_REQUEST_HEX = (
+GENERATE_REQUEST_V1_HEX = (  # before ``trace_context`` was appended
     "87"  # map of 7: tag + 6 fields
     "a474797065" "a867656e6572617465"  # type: "generate"
     "aa726571756573745f6964" "a27231"  # request_id: "r1"
@@ -48,6 +48,10 @@ GENERATE_REQUEST_HEX = (
     "aa6e756d5f746f6b656e73" "03"  # num_tokens: 3
     "aa626c6f636b5f73697a65" "10"  # block_size: 16
     "ad70726f6d70745f646967657374" "a164"  # prompt_digest: "d"
+)
+GENERATE_REQUEST_HEX = (
+    "88" + GENERATE_REQUEST_V1_HEX[2:]
+    + "ad74726163655f636f6e74657874" "c0"  # trace_context: nil
 )
 
 GENERATE_CHUNK = wire.GenerateChunk(request_id="r1", token_ids=[5, 6], finished=True, finish_reason="length",
@@ -260,16 +264,17 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
     assert decoded == message
 
 
-@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
+@pytest.mark.parametrize("old_hex, message", [(GENERATE_REQUEST_V1_HEX, GENERATE_REQUEST),
+                                              (GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
-                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
-                              "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1", "PullBlocks-v2",
-                              "PullHeader-v1", "PullOverLink-v1"])
+                         ids=["GenerateRequest-v1", "GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3",
+                              "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1",
+                              "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
@@ -282,10 +287,14 @@ def test_decode_accepts_memoryview(message, golden_hex):
 ROUND_TRIP = [
     wire.GenerateRequest(request_id="x", prompt_token_ids=[0]),
     wire.GenerateRequest(request_id="x", prompt_token_ids=[9, 8], hold_blocks=True, cache_salt=None),
+    wire.GenerateRequest(request_id="x", prompt_token_ids=[1], trace_context={
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "k=v"}),
     wire.AbortRequest(request_id="x"),
     wire.StatsRequest(),
     wire.GenerateChunk(request_id="x", token_ids=[], pull_source=PULL_SOURCE,
                        logprobs=[wire.TokenLogprobs(token_ids=[3, 4], logprobs=[-0.25, -1.5])]),
+    wire.GenerateChunk(request_id="x", token_ids=[1], transfer=wire.PullRecord("x-1", "tcp://h:1", 4096, 0.25, ok=True,
+                                                                               started_at=1.7e9)),
     wire.ErrorReply(request_id="x", code="engine_error", message="boom"),
     wire.WorkerStats(worker_id="w", role="decode", incarnation="i", load=wire.WorkerLoad(num_free_blocks=7),
                      transfer=wire.TransferCounters(bytes_sent=1 << 40, pulls_failed=2),

@@ -100,3 +100,13 @@ def test_block_size_default_depends_on_the_platform(requested, cuda, expected):
 
 def test_explicit_block_size_reaches_the_engine(parser):
     assert engine_args(settings_of(parser, "prefill", "--block-size", "64")).block_size == 64
+
+
+def test_tracing_flags_reach_the_settings_and_bad_ones_are_refused(parser):
+    traced = settings_of(parser, "decode", "--otlp-endpoint", "http://collector:4318", "--otlp-protocol", "http")
+    assert (traced.otlp_endpoint, traced.otlp_protocol) == ("http://collector:4318", "http")
+    assert settings_of(parser, "decode").otlp_endpoint == ""  # off by default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/models/m", "--otlp-protocol", "thrift"])
+    with pytest.raises(ValueError, match="otlp_endpoint"):
+        WorkerSettings(role="decode", model="/models/m", otlp_endpoint="collector:4318")
