@@ -168,6 +168,18 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     # (layout, layers, blocks, positions, frame size), and pulls whose frame checksum failed.
     pulls_refused: int = 0
     checksum_failures: int = 0
+    # The node KV tier (transfer.node_store): loads of prompt blocks from it, and the
+    # write-through of new blocks (staged on the engine's thread, then put).
+    tier_loads_ok: int = 0
+    tier_loads_failed: int = 0
+    tier_blocks_loaded: int = 0
+    tier_bytes_loaded: int = 0
+    tier_load_microseconds: int = 0
+    tier_saves: int = 0
+    tier_saves_failed: int = 0
+    tier_blocks_written: int = 0  # stored by the store (blocks it already held are not)
+    tier_bytes_staged: int = 0
+    tier_stage_microseconds: int = 0  # on the engine's thread, before its next step
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
