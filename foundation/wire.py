@@ -138,6 +138,9 @@ class GenerateChunk(_Message, tag="chunk"):
     logprobs: list[TokenLogprobs] | None = None
     # Consumer, first chunk only: the pull that brought this request's prompt blocks.
     transfer: PullRecord | None = None
+    # Last chunk only: prompt tokens the engine loaded from the node KV tier (transfer.node_store),
+    # a part of num_cached_tokens.
+    num_tier_tokens: int = 0
 
 
 class ErrorReply(_Message, tag="error"):

@@ -65,9 +65,13 @@ GENERATE_CHUNK_V1_HEX = (
     "ab70756c6c5f736f75726365" "c0"  # pull_source: nil
     "a86c6f6770726f6273" "c0"  # logprobs: nil
 )
-GENERATE_CHUNK_HEX = (
+GENERATE_CHUNK_V2_HEX = (  # before ``num_tier_tokens`` was appended
     "8a" + GENERATE_CHUNK_V1_HEX[2:]
     + "a87472616e73666572" "c0"  # transfer: nil
+)
+GENERATE_CHUNK_HEX = (
+    "8b" + GENERATE_CHUNK_V2_HEX[2:]
+    + "af6e756d5f746965725f746f6b656e73" "00"  # num_tier_tokens: 0
 )
 
 HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
@@ -234,6 +238,39 @@ PULL_OVER_LINK_HEX = (
     + "a8636865636b73756d" "c2"  # checksum: false
 )
 
+TIER_LAYOUT = wire.KVLayoutSpec(dtype="bfloat16", num_layers=2, block_dim=1, block_shape=[2, 4, 16, 8],
+                                block_size=16, bytes_per_block=1024)
+SHARED_COPY_HEX = (
+    "84"
+    "a3706964" "07"  # pid: 7
+    "a26664" "09"  # fd: 9
+    "a46e616d65" "a16e"  # name: "n"
+    "aa6e756d5f626c6f636b73"  # num_blocks: (value follows)
+)
+TIER_PUT = wire.TierPut(keys=[b"\x01" * 16], layout=TIER_LAYOUT,
+                        copy=wire.SharedCopyRef(pid=7, fd=9, name="n", num_blocks=1))
+TIER_PUT_HEX = (
+    "84"
+    "a474797065" "a8746965725f707574"  # type: "tier_put"
+    "a46b657973" "91" "c410" + "01" * 16 +  # keys: [bin of 16 bytes]
+    "a66c61796f7574" "86"  # layout: map of 6
+    "a56474797065" "a862666c6f61743136"  # dtype: "bfloat16"
+    "aa6e756d5f6c6179657273" "02"  # num_layers: 2
+    "a9626c6f636b5f64696d" "01"  # block_dim: 1
+    "ab626c6f636b5f7368617065" "9402041008"  # block_shape: [2, 4, 16, 8]
+    "aa626c6f636b5f73697a65" "10"  # block_size: 16
+    "af62797465735f7065725f626c6f636b" "cd0400"  # bytes_per_block: 1024
+    "a4636f7079" + SHARED_COPY_HEX + "01"  # copy: {pid, fd, name, num_blocks: 1}
+)
+TIER_GET_REPLY = wire.TierGetReply(arenas=[wire.SharedCopyRef(pid=7, fd=9, name="n", num_blocks=4)],
+                                   blocks=[wire.TierBlock(arena=0, offset=1024, checksum=5)])
+TIER_GET_REPLY_HEX = (
+    "83"
+    "a474797065" "ae746965725f6765745f7265706c79"  # type: "tier_get_reply"
+    "a66172656e6173" "91" + SHARED_COPY_HEX + "04"  # arenas: [{..., num_blocks: 4}]
+    "a6626c6f636b73" "91" "9300cd040005"  # blocks: [[arena 0, offset 1024, checksum 5]] (array-like)
+)
+
 GOLDEN = [
     pytest.param(GENERATE_REQUEST, GENERATE_REQUEST_HEX, id="GenerateRequest"),
     pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
@@ -245,6 +282,8 @@ GOLDEN = [
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
     pytest.param(OPEN_LINK, OPEN_LINK_HEX, id="OpenLink"),
     pytest.param(PULL_OVER_LINK, PULL_OVER_LINK_HEX, id="PullOverLink"),
+    pytest.param(TIER_PUT, TIER_PUT_HEX, id="TierPut"),
+    pytest.param(TIER_GET_REPLY, TIER_GET_REPLY_HEX, id="TierGetReply"),
 ]
 
 
@@ -260,16 +299,17 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
     assert decoded == message
 
 
-@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
+@pytest.mark.parametrize("old_hex, message", [(GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK),
+                                              (GENERATE_CHUNK_V2_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
-                         ids=["GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3", "Heartbeat-v4",
-                              "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1", "PullBlocks-v2",
-                              "PullHeader-v1", "PullOverLink-v1"])
+                         ids=["GenerateChunk-v1", "GenerateChunk-v2", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3",
+                              "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1",
+                              "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
