@@ -178,6 +178,7 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     tier_blocks_loaded: int = 0
     tier_bytes_loaded: int = 0
     tier_load_microseconds: int = 0
+    tier_saves_staged: int = 0  # write-throughs begun; each ends in one of the next two
     tier_saves: int = 0
     tier_saves_failed: int = 0
     tier_blocks_written: int = 0  # stored by the store (blocks it already held are not)

@@ -78,6 +78,8 @@ class ConnectorScheduler:
         step between the last request's end and the next one's allocation)."""
         if not self._demotion_waits:  # else the queue was scanned in vain this step: retried at its end
             self._demote_finished_pulls()
+        if self._tier is not None:
+            self._tier.note_local_hit(request, num_computed_tokens)
         source = self.pull_source(request)
         if source is None:
             count = self._tier.matched_tokens(request, num_computed_tokens) if self._tier is not None else 0
@@ -109,7 +111,7 @@ class ConnectorScheduler:
             return
         self._allocated.add(request.request_id)
         if num_external_tokens == 0:
-            self._tier_admitted(request, blocks, 0)
+            self._tier_admitted(request, 0)
             self._pending.releases.append((source, "local_hit"))
             return
         self._pending.loads.append(self._plan_load(request, source, blocks, num_external_tokens))
@@ -122,7 +124,7 @@ class ConnectorScheduler:
         pulled = group[num_local_blocks:last]
         if self.settings.evict_pulled_first:
             self._pulled[request.request_id] = list(pulled)
-        self._tier_admitted(request, blocks, num_external_tokens)
+        self._tier_admitted(request, num_external_tokens)
         local_ids = tuple(block.block_id for block in pulled)
         return LoadSpec(request.request_id, source, tuple(range(num_local_blocks, last)), local_ids)
 
@@ -133,20 +135,15 @@ class ConnectorScheduler:
         if self._tier is None:
             return
         if num_external_tokens == 0:
-            self._tier_admitted(request, blocks, 0)
+            self._tier.admitted(request, 0)
             return
-        group = blocks.blocks[0]
-        num_local_blocks = _num_cached(group)
-        self._pending.tier_loads.append(
-            self._tier.plan_load(request, group[num_local_blocks:], num_local_blocks, num_external_tokens))
+        self._pending.tier_loads.append(self._tier.plan_load(request, blocks.blocks[0], num_external_tokens))
 
-    def _tier_admitted(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def _tier_admitted(self, request: Any, num_external_tokens: int) -> None:
         """Its blocks up to its local hit and external tokens are not written through: the
-        engine had them, or the tier, or the producer that computed them (full blocks only)."""
+        engine had them, or the producer that computed them (full blocks only)."""
         if self._tier is not None:
-            num_local_blocks = _num_cached(blocks.blocks[0])
-            first_new = (num_local_blocks * self.block_size + num_external_tokens) // self.block_size
-            self._tier.admitted(request, num_local_blocks, first_new)
+            self._tier.admitted(request, num_external_tokens)
 
     def loads_failed(self, request_ids: set[str]) -> None:
         """vLLM recomputes these requests' external tokens (``kv_load_failure_policy``)."""

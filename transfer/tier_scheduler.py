@@ -49,7 +49,15 @@ class TierScheduler:
         self.client = client
         self.block_size = block_size
         self._lookups: LruDict[str, tuple[int, int]] = LruDict(REMEMBERED_LOOKUPS)  # id → (computed, tokens)
+        # id → blocks of its local hit, as vLLM last asked about it. (At allocation the blocks
+        # tell no more: vLLM hashes the blocks a step will fill when it allocates them.)
+        self._local_hits: LruDict[str, int] = LruDict(REMEMBERED_LOOKUPS)
         self._admitted: dict[str, _Admitted] = {}
+
+    def note_local_hit(self, request: Any, num_computed_tokens: int) -> None:
+        """vLLM asks for external tokens beyond ``num_computed_tokens`` (block-aligned) just
+        before it allocates: that is the request's hit in the engine's own cache."""
+        self._local_hits[request.request_id] = num_computed_tokens // self.block_size
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Prompt tokens the store holds beyond ``num_computed_tokens`` (block-aligned), in
@@ -66,15 +74,20 @@ class TierScheduler:
         self._lookups[request.request_id] = (num_computed_tokens, tokens)
         return tokens
 
-    def admitted(self, request: Any, num_local_blocks: int, first_new_block: int) -> None:
-        """A request allocated without a tier load (first admission only counts)."""
+    def admitted(self, request: Any, num_external_tokens: int) -> None:
+        """A request allocated without a tier load, whose ``num_external_tokens`` (if any)
+        come from a pull; its first admission counts."""
         self._lookups.pop(request.request_id, None)
-        self._admitted.setdefault(request.request_id, _Admitted(first_new_block, local_blocks=num_local_blocks))
+        local = self._local_hits.pop(request.request_id, 0)
+        first_new = (local * self.block_size + num_external_tokens) // self.block_size
+        self._admitted.setdefault(request.request_id, _Admitted(first_new, local_blocks=local))
 
-    def plan_load(self, request: Any, blocks: list[Any], num_local_blocks: int,
-                  num_external_tokens: int) -> TierLoad:
-        """The tier's blocks into ``blocks`` (vLLM's, after the local hit)."""
+    def plan_load(self, request: Any, group: list[Any], num_external_tokens: int) -> TierLoad:
+        """The tier's blocks into vLLM's blocks after the local hit (``group``: all of the
+        request's blocks)."""
         self._lookups.pop(request.request_id, None)
+        num_local_blocks = self._local_hits.pop(request.request_id, 0)
+        blocks = group[num_local_blocks:]
         count = num_external_tokens // self.block_size
         keys = self._keys(request, request.prompt_token_ids)[num_local_blocks:num_local_blocks + count]
         self._admitted[request.request_id] = _Admitted(num_local_blocks + count, num_external_tokens,
@@ -90,6 +103,7 @@ class TierScheduler:
     def finished(self, request: Any, block_ids: list[int]) -> tuple[TierSave | None, int]:
         """(the blocks to write through, the prompt tokens its tier load brought)."""
         self._lookups.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
         admitted = self._admitted.pop(request.request_id, None)
         first = admitted.first_new_block if admitted is not None else 0
         tier_tokens = admitted.tier_tokens if admitted is not None else 0

@@ -61,7 +61,7 @@ class TierWorker:
             logger.exception("staging request %s's blocks for the node store failed", save.request_id)
             self.counters.add(tier_saves_failed=1)
             return
-        self.counters.add(tier_bytes_staged=copy.nbytes,
+        self.counters.add(tier_saves_staged=1, tier_bytes_staged=copy.nbytes,
                           tier_stage_microseconds=round((time.perf_counter() - started) * 1e6))
         self._pool.submit(self._put, save, copy)
 

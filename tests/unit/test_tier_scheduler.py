@@ -114,7 +114,8 @@ def test_a_cold_request_writes_every_full_block_through_and_a_partial_one_never(
     scheduler = scheduler_with(FakeStore())
     request = make_request(cache_salt=SALT)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    scheduler.update_state_after_alloc(request, make_blocks(0, [1, 2, 3, 4, 5, 6]), 0)
+    # vLLM hashes the blocks a step will fill as it allocates them: they are no local hit.
+    scheduler.update_state_after_alloc(request, make_blocks(5, [1, 2, 3, 4, 5, 6]), 0)
     scheduler.request_finished(finished(request, 19), [1, 2, 3, 4, 5])  # 4 full blocks computed
     assert scheduler.build_connector_meta().tier_saves == [TierSave(request.request_id, tuple(KEYS[:4]),
                                                                     (1, 2, 3, 4))]
@@ -125,7 +126,7 @@ def test_a_producer_writes_through_and_still_grants_its_lease():
     scheduler = scheduler_with(store)
     request = make_request("prod-1", PROMPT, {PARAMS_KEY: {"hold_blocks": True}}, SALT)
     scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, make_blocks(0, [30, 31, 32, 33, 34, 35]), 0)
+    scheduler.update_state_after_alloc(request, make_blocks(5, [30, 31, 32, 33, 34, 35]), 0)
     delay_free, params = scheduler.request_finished(finished(request, 21), [30, 31, 32, 33, 34, 35])
     assert delay_free is True and "pull_source" in params[PARAMS_KEY] and "tier_tokens" not in params[PARAMS_KEY]
     metadata = scheduler.build_connector_meta()
