@@ -262,7 +262,7 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._tier is not None:
-            self._tier.client.close()
+            self._tier.close()
         self._links.close_all()
         self._channels.close()
         if self.server is not None:

@@ -24,7 +24,7 @@ from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache
 from transfer.memfd import local_host
 from transfer.metadata import TierLoad, TierSave
-from transfer.node_store.cache_io import TierCopy, read_blocks, stage_for_put
+from transfer.node_store.cache_io import StagingPool, TierCopy, read_blocks
 from transfer.node_store.client import NodeStoreClient, StoreRefused, StoreUnavailable
 
 logger = logging.getLogger("kvroute.transfer.tier")
@@ -40,6 +40,7 @@ class TierWorker:
         self._host = local_host() if shared_memory else ""
         self._warnings = PeerWarnings(logger)
         self._warnings_lock = threading.Lock()  # puts fail on either connector thread
+        self._staging = StagingPool()
         self.cache: PagedKVCache | None = None
 
     def attach(self, cache: PagedKVCache) -> None:
@@ -56,26 +57,33 @@ class TierWorker:
             return
         started = time.perf_counter()
         try:
-            copy = stage_for_put(self.cache, list(save.block_ids))
+            copy = self._staging.stage(self.cache, list(save.block_ids))
         except Exception:  # the request has finished: nothing to fail but the write-through
             logger.exception("staging request %s's blocks for the node store failed", save.request_id)
             self.counters.add(tier_saves_failed=1)
             return
-        self.counters.add(tier_saves_staged=1, tier_bytes_staged=copy.nbytes,
+        nbytes = len(save.block_ids) * self.cache.spec.bytes_per_block
+        self.counters.add(tier_saves_staged=1, tier_bytes_staged=nbytes,
                           tier_stage_microseconds=round((time.perf_counter() - started) * 1e6))
         self._pool.submit(self._put, save, copy)
 
     def _put(self, save: TierSave, copy: TierCopy) -> None:
+        nbytes = len(save.block_ids) * self.cache.spec.bytes_per_block
         try:
             reply = self.client.put(list(save.keys), self.cache.spec, copy.ref(len(save.keys)),
-                                    memoryview(copy.mapping))
-            self.counters.add(tier_saves=1, tier_blocks_written=reply.stored)
+                                    memoryview(copy.mapping)[:nbytes])
         except (StoreUnavailable, StoreRefused) as error:
+            copy.close()  # a store that gave up on it may still be reading it: never reused
             with self._warnings_lock:
                 self._warnings.warn(self.client.address, "writing blocks through to the node store failed: %s", error)
             self.counters.add(tier_saves_failed=1)
-        finally:
-            copy.close()
+            return
+        self._staging.give_back(copy)
+        self.counters.add(tier_saves=1, tier_blocks_written=reply.stored)
+
+    def close(self) -> None:
+        self.client.close()
+        self._staging.close()
 
     def load(self, load: TierLoad) -> int:
         """Read the load's blocks into the cache; the bytes read. Raises on any failure."""

@@ -49,7 +49,8 @@ def _cache(num_blocks: int, dtype: str):
     from transfer.kv_layout import PagedKVCache
 
     kind = getattr(torch, dtype)
-    layers = [torch.randn(num_blocks, 2, KV_HEADS, BLOCK_SIZE, HEAD_SIZE).to(kind) for _ in range(NUM_LAYERS)]
+    # vLLM-CPU's layout: per layer (blocks, KV heads, block size, keys then values of one head).
+    layers = [torch.randn(num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE).to(kind) for _ in range(NUM_LAYERS)]
     return PagedKVCache(layers, num_blocks, BLOCK_SIZE)
 
 
@@ -72,22 +73,25 @@ def _seconds(action) -> tuple[float, object]:
 def measure_store_paths(num_blocks: int, reps: int, dtype: str, log_dir: Path) -> dict[str, float]:
     """Median seconds of each path for a prompt of ``num_blocks`` blocks."""
     from transfer.memfd import local_host
-    from transfer.node_store.cache_io import read_blocks, stage_for_put
+    from transfer.node_store.cache_io import StagingPool, read_blocks
     from transfer.node_store.client import NodeStoreClient
 
-    cache = _cache(2 * num_blocks, dtype)
+    cache = _cache(2 * num_blocks + 1, dtype)
     store, address = _store(log_dir, host_blocks=num_blocks, disk_blocks=4 * num_blocks,
                             block_bytes=cache.spec.bytes_per_block)
     client = NodeStoreClient(address)
     ids = list(range(num_blocks))
     times: dict[str, list[float]] = {}
+    staging = StagingPool()  # as a connector stages, reusing its copies
 
     def put(keys: list[bytes]) -> None:
-        stage, copy = _seconds(lambda: stage_for_put(cache, ids))
+        stage, copy = _seconds(lambda: staging.stage(cache, ids))
         times.setdefault("stage", []).append(stage)
+        data = memoryview(copy.mapping)[:num_blocks * cache.spec.bytes_per_block]
         times.setdefault("put", []).append(_seconds(lambda: client.put(keys, cache.spec, copy.ref(num_blocks),
-                                                                        memoryview(copy.mapping)))[0])
-        copy.close()
+                                                                        data))[0])
+        data.release()
+        staging.give_back(copy)
 
     def load(keys: list[bytes], tier: str) -> None:
         seconds, _ = _seconds(lambda: read_blocks(*client.get(keys, cache.spec, local_host()), cache, ids))
@@ -103,6 +107,7 @@ def measure_store_paths(num_blocks: int, reps: int, dtype: str, log_dir: Path) -
         return {path: statistics.median(values[2:] if path in ("stage", "put") else values[1:])
                 for path, values in times.items()}
     finally:
+        staging.close()
         client.close()
         store.stop()
 
