@@ -41,6 +41,7 @@ from kvroute.bench.command import Command
 
 BLOCK_SIZE, NUM_LAYERS, KV_HEADS, HEAD_SIZE = 32, 30, 3, 64  # SmolLM2-135M
 GIB = 1 << 30
+PIN_SECONDS = 0.01  # a get keeps its blocks from eviction this long
 
 
 def _cache(num_blocks: int, dtype: str):
@@ -58,8 +59,8 @@ def _store(log_dir: Path, host_blocks: int, disk_blocks: int, block_bytes: int) 
     address = tcp("127.0.0.1", free_port())
     gib = lambda blocks: str((blocks * block_bytes + 1) / GIB)  # noqa: E731
     disk = ["--disk-kv-dir", str(log_dir), "--disk-kv-gib", gib(disk_blocks)] if disk_blocks else []
-    store = launch_node_store(["--bind", address, "--host-kv-gib", gib(host_blocks), *disk, "--pin-seconds", "0.01"],
-                              log_dir)
+    store = launch_node_store(["--bind", address, "--host-kv-gib", gib(host_blocks), *disk,
+                               "--pin-seconds", str(PIN_SECONDS)], log_dir)
     store.wait_ready(30)
     return store, address
 
@@ -96,6 +97,7 @@ def measure_store_paths(num_blocks: int, reps: int, dtype: str, log_dir: Path) -
     def load(keys: list[bytes], tier: str) -> None:
         seconds, _ = _seconds(lambda: read_blocks(*client.get(keys, cache.spec, local_host()), cache, ids))
         times.setdefault(f"load from {tier}", []).append(seconds)
+        time.sleep(2 * PIN_SECONDS)  # the blocks' pins end, so the next put may evict them
 
     try:
         for _ in range(reps + 1):  # the first is a warm-up
