@@ -126,7 +126,10 @@ def test_a_disk_round_trip(serve, caches, tmp_path):
     writer, reader = caches
     server, client = serve(settings_for(writer, host_blocks=2, disk_blocks=4, disk_dir=tmp_path))
     put(client, writer, keys(1, 2, 3, 4), [3, 4, 5, 6])  # 1 and 2 go to disk as 3 and 4 arrive
-    assert len(list((tmp_path / "kvroute-node-store").glob("*.blk"))) == 2
+    files = list((tmp_path / "kvroute-node-store").glob("*.blk"))
+    assert len(files) == 2
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {"0o600"}, "every tenant's KV: the store's user alone"
+    assert (tmp_path / "kvroute-node-store").stat().st_mode & 0o777 == 0o700
     assert client.leading(keys(1, 2, 3, 4)) == 4
     assert load(client, reader, keys(1, 2), [0, 1]) == 2 * writer.spec.bytes_per_block
     assert_same_blocks(writer, [3, 4], reader, [0, 1])

@@ -104,21 +104,24 @@ class DiskBlockMissing(OSError):
 
 class DiskTier:
     """Blocks in files ``<folder>/<slot>.blk`` under the store's own folder, which it empties
-    when it starts and stops (what a previous store left has no index to trust)."""
+    when it starts and stops (what a previous store left has no index to trust). The folder
+    and its files are its user's alone (0700, 0600): they hold every tenant's KV."""
 
     SUFFIX = ".blk"
 
     def __init__(self, folder: Path, slot_bytes: int):
         self.folder = Path(folder)
         self.slot_bytes = slot_bytes
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
         self.wipe()
 
     def path(self, slot: int) -> Path:
         return self.folder / f"{slot}{self.SUFFIX}"
 
     def write(self, slot: int, data: np.ndarray) -> None:
-        with open(self.path(slot), "wb") as file:
+        fd = os.open(self.path(slot), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as file:
             file.write(memoryview(data))
 
     def read_into(self, slot: int, out: np.ndarray) -> None:
