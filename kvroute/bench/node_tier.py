@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     output.mkdir(parents=True, exist_ok=True)
     with cluster_keys.of_this_run() as keys:
         os.environ["KVROUTE_CLUSTER_KEYS"] = keys  # for the store and worker processes
-        zmq_auth.configure(cluster_keys.load(keys), "worker")
+        zmq_auth.configure(cluster_keys.load(keys), "orchestrator")  # the worker RPC takes no other
         report: dict = {"dtype": args.dtype, "reps": args.reps, "store": {}}
         with tempfile.TemporaryDirectory(prefix="kvroute-node-tier-") as scratch:
             for tokens in (int(n) for n in args.lengths.split(",")):
