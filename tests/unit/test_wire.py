@@ -238,8 +238,8 @@ PULL_OVER_LINK_HEX = (
     + "a8636865636b73756d" "c2"  # checksum: false
 )
 
-TIER_LAYOUT = wire.KVLayoutSpec(dtype="bfloat16", num_layers=2, block_dim=1, block_shape=[2, 4, 16, 8],
-                                block_size=16, bytes_per_block=1024)
+TIER_LAYOUT = PULL_BLOCKS.layout
+LAYOUT_HEX = PULL_BLOCKS_V1_HEX[PULL_BLOCKS_V1_HEX.index("a66c61796f7574"):]  # layout: map of 6, as in PullBlocks
 SHARED_COPY_HEX = (
     "84"
     "a3706964" "07"  # pid: 7
@@ -252,15 +252,9 @@ TIER_PUT = wire.TierPut(keys=[b"\x01" * 16], layout=TIER_LAYOUT,
 TIER_PUT_HEX = (
     "84"
     "a474797065" "a8746965725f707574"  # type: "tier_put"
-    "a46b657973" "91" "c410" + "01" * 16 +  # keys: [bin of 16 bytes]
-    "a66c61796f7574" "86"  # layout: map of 6
-    "a56474797065" "a862666c6f61743136"  # dtype: "bfloat16"
-    "aa6e756d5f6c6179657273" "02"  # num_layers: 2
-    "a9626c6f636b5f64696d" "01"  # block_dim: 1
-    "ab626c6f636b5f7368617065" "9402041008"  # block_shape: [2, 4, 16, 8]
-    "aa626c6f636b5f73697a65" "10"  # block_size: 16
-    "af62797465735f7065725f626c6f636b" "cd0400"  # bytes_per_block: 1024
-    "a4636f7079" + SHARED_COPY_HEX + "01"  # copy: {pid, fd, name, num_blocks: 1}
+    "a46b657973" "91" "c410" + "01" * 16  # keys: [bin of 16 bytes]
+    + LAYOUT_HEX
+    + "a4636f7079" + SHARED_COPY_HEX + "01"  # copy: {pid, fd, name, num_blocks: 1}
 )
 TIER_GET_REPLY = wire.TierGetReply(arenas=[wire.SharedCopyRef(pid=7, fd=9, name="n", num_blocks=4)],
                                    blocks=[wire.TierBlock(arena=0, offset=1024, checksum=5)])
