@@ -15,8 +15,9 @@ import pytest
 from foundation import wire
 from foundation.launcher import launch_node_store
 from foundation.netutil import free_port, tcp
+from orchestrator.disagg import HandoffRecord, generate_local
 from orchestrator.worker_client import WorkerClient
-from tests.cluster import START_TIMEOUT, start_worker, wait_idle
+from tests.cluster import START_TIMEOUT, collect, start_worker, wait_idle
 from tests.e2e.disagg import chat_prompt
 from transfer.node_store.client import NodeStoreClient
 
@@ -138,10 +139,12 @@ async def test_an_evicted_prefix_loads_back_from_host_memory_and_not_for_another
     assert last.num_tier_tokens == 0
     await stored_blocks(store, full_blocks(prompt))
     await fill_engine_cache(client, tokenizer, "host")
-    again, last = await run(client, "host-2", prompt, "tenant-a")
-    assert again == first, "the prompt loaded from the tier must give the same greedy output"
-    assert last.num_tier_tokens == full_blocks(prompt) * BLOCK_SIZE
-    assert last.num_cached_tokens == last.num_tier_tokens, "the engine's own cache had evicted the prompt"
+    # As the orchestrator runs a LOCAL plan: what it records becomes the response's usage.
+    record = HandoffRecord(request_id="host-2")
+    await collect(generate_local(client, record, prompt, GREEDY_16, "tenant-a"))
+    assert record.token_ids == first, "the prompt loaded from the tier must give the same greedy output"
+    assert record.prefill_tier_tokens == full_blocks(prompt) * BLOCK_SIZE
+    assert record.prefill_cached_tokens == record.prefill_tier_tokens, "the engine's own cache had evicted it"
     counters = (await asyncio.to_thread(store.stats)).counters
     assert counters.blocks_served == full_blocks(prompt) and counters.promotions == 0
     stats = await wait_idle(client)
