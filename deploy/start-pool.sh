@@ -2,13 +2,16 @@
 # Start a pool of kvroute workers of one role on this machine.
 #
 #   deploy/start-pool.sh ROLE COUNT --orchestrator ADDR (--cluster-keys DIR | --insecure-no-auth)
-#                        [--model M] [--host H] [--log-dir DIR] [--python PY] [-- extra worker flags...]
+#                        [--model M] [--host H] [--log-dir DIR] [--python PY] [--node-store-gib N]
+#                        [-- extra worker flags...]
 #
 # One worker per GPU where `nvidia-smi -L` finds GPUs (worker i gets the i-th GPU
 # through CUDA_VISIBLE_DEVICES; COUNT "auto" means one per GPU); otherwise worker i
 # is pinned to CPU core (i mod nproc) with --omp-threads-bind. Every worker leads its
 # own process group, in the caller's session, logs to DIR/ROLE-i.log and has its pid in
-# DIR/ROLE-i.pid, which deploy/stop-pool.sh uses to stop the whole group.
+# DIR/ROLE-i.pid, which deploy/stop-pool.sh uses to stop the whole group. With
+# --node-store-gib N, this machine's node KV store (kvroute node-store) is started first
+# unless it already runs (DIR/node-store-0.pid), and every worker is pointed at it.
 #
 # Not a session of its own: Linux's scheduler autogroups share CPU between sessions
 # first, and a worker in its own session starved on a core it shared with a busy
@@ -21,6 +24,7 @@ REPO_ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 DEFAULT_LOG_DIR=${KVROUTE_POOL_DIR:-${XDG_STATE_HOME:-${HOME:-/tmp}/.local/state}/kvroute/pool}
 NVIDIA_SMI=${NVIDIA_SMI:-nvidia-smi}    # overridable, e.g. to force CPU mode in tests
 STARTUP_CHECK_SECONDS=${KVROUTE_POOL_STARTUP_CHECK:-2}
+NODE_STORE_ADDRESS=tcp://127.0.0.1:7390  # kvroute node-store's default bind
 
 usage() {
     cat <<EOF
@@ -43,6 +47,10 @@ Start COUNT kvroute workers of ROLE on this machine, each in its own process gro
                         then bind 0.0.0.0 (override with -- --bind-host IP)
   --log-dir DIR         logs and pid files (default: $DEFAULT_LOG_DIR)
   --python PY           interpreter (default: the repo's .venv/bin/python, else python3)
+  --node-store-gib N    this machine's node KV store with N GiB of host memory, started unless it
+                        already runs (shared by every pool started with the same --log-dir), at
+                        $NODE_STORE_ADDRESS; every worker writes its blocks through to it and loads
+                        prompts from it (docs/operations.md, "Running a node KV store")
   -h, --help            this text
 
 Flags after -- go to every worker unchanged (see: PY -m kvroute ROLE-worker --help).
@@ -80,6 +88,7 @@ model=""
 host=""
 log_dir=$DEFAULT_LOG_DIR
 python=""
+node_store_gib=""
 extra=()
 
 while [[ $# -gt 0 ]]; do
@@ -98,6 +107,8 @@ while [[ $# -gt 0 ]]; do
         --log-dir=*) log_dir=${1#*=}; shift ;;
         --python) need_value "$1" $# "${2:-}"; python=$2; shift 2 ;;
         --python=*) python=${1#*=}; shift ;;
+        --node-store-gib) need_value "$1" $# "${2:-}"; node_store_gib=$2; shift 2 ;;
+        --node-store-gib=*) node_store_gib=${1#*=}; shift ;;
         --) shift; extra=("$@"); break ;;
         -*) die "unknown option '$1' (worker flags go after --)" ;;
         *) positional+=("$1"); shift ;;
@@ -113,6 +124,8 @@ case $role in
     *) die "ROLE must be 'prefill', 'decode' or 'unified', not '$role'" ;;
 esac
 
+[[ -z $node_store_gib || $node_store_gib =~ ^[0-9]*\.?[0-9]+$ && ! $node_store_gib =~ ^[0.]+$ ]] \
+    || die "--node-store-gib must be a positive number of GiB, not '$node_store_gib'"
 [[ -n $cluster_keys || -n $insecure ]] || die "--cluster-keys DIR is required (create it with: kvroute keys init DIR), or --insecure-no-auth on a network nobody else can reach"
 [[ -z $cluster_keys || -z $insecure ]] || die "--cluster-keys and --insecure-no-auth exclude each other"
 [[ -z $cluster_keys || -d $cluster_keys ]] || die "--cluster-keys '$cluster_keys' is not a folder (create it with: kvroute keys init DIR)"
@@ -188,17 +201,57 @@ done
 
 # ------------------------------------------------------------------ launch
 
+# start_one NAME PLACEMENT [VAR=VALUE...] -- ARG...: start "$python ARG..." (with those environment
+# variables) leading a process group of its own, logging to DIR/NAME.log, its pid in DIR/NAME.pid.
+start_one() {
+    local name=$1 placement=$2 env_args=() log_file pid_file pid wait_ms
+    shift 2
+    while [[ $1 != -- ]]; do env_args+=("$1"); shift; done
+    shift
+    log_file=$log_dir/$name.log
+    pid_file=$log_dir/$name.pid
+    printf '=== %s start-pool: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S%z')" "${env_args[*]:+${env_args[*]} }$python $*" >>"$log_file"
+    # With job control on (set -m) the background job leads a process group of its own;
+    # the inner shell writes its pid (the group's leader, so pid == pgid) and then
+    # becomes the worker with exec.
+    set -m
+    # shellcheck disable=SC2016  # $$, $1 and $@ are the inner shell's, not ours
+    env "${env_args[@]}" bash -c 'echo "$$" >"$1"; shift; exec "$@"' start-pool "$pid_file" \
+        "$python" "$@" </dev/null >>"$log_file" 2>&1 &
+    set +m
+    for ((wait_ms = 0; wait_ms < 5000; wait_ms += 50)); do
+        [[ -s $pid_file ]] && break
+        sleep 0.05
+    done
+    [[ -s $pid_file ]] || { echo "$PROG: error: $name did not start; see $log_file" >&2; exit 1; }
+    pid=$(<"$pid_file")
+    started+=("$name")
+    echo "started $name: pid $pid, $placement, log $log_file"
+}
+
+if [[ -n $cluster_keys ]]; then key_args=(--cluster-keys "$(cd -- "$cluster_keys" && pwd)"); else key_args=(--insecure-no-auth); fi
+started=()
+
+# The node store goes first, so that the engines' first prompts find it; one per machine.
+if [[ -n $node_store_gib ]]; then
+    store_pid_file=$log_dir/node-store-0.pid
+    if [[ -s $store_pid_file ]] && group_alive "$(<"$store_pid_file")"; then
+        echo "node store already running (pid $(<"$store_pid_file")) at $NODE_STORE_ADDRESS"
+    else
+        rm -f -- "$store_pid_file"
+        start_one node-store-0 "$node_store_gib GiB of host memory at $NODE_STORE_ADDRESS" -- \
+            -m kvroute node-store --host-kv-gib "$node_store_gib" --bind "$NODE_STORE_ADDRESS" "${key_args[@]}"
+    fi
+fi
+
 base_args=(-m kvroute "$role-worker")
 for address in "${orchestrators[@]}"; do base_args+=(--orchestrator "$address"); done
 [[ -z $model ]] || base_args+=(--model "$model")
-if [[ -n $cluster_keys ]]; then base_args+=(--cluster-keys "$(cd -- "$cluster_keys" && pwd)"); else base_args+=(--insecure-no-auth); fi
+base_args+=("${key_args[@]}")
 [[ -z $host ]] || base_args+=(--host "$host" --bind-host 0.0.0.0)
+[[ -z $node_store_gib ]] || base_args+=(--node-store "$NODE_STORE_ADDRESS")
 
-started=()
 for ((i = 0; i < count; i++)); do
-    name=$role-$i
-    log_file=$log_dir/$name.log
-    pid_file=$log_dir/$name.pid
     args=("${base_args[@]}")
     env_args=()
     if [[ ${#gpus[@]} -gt 0 ]]; then
@@ -209,24 +262,7 @@ for ((i = 0; i < count; i++)); do
         args+=(--omp-threads-bind "$core")
         placement="CPU core $core"
     fi
-    args+=("${extra[@]}")
-    printf '=== %s start-pool: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S%z')" "${env_args[*]:+${env_args[*]} }$python ${args[*]}" >>"$log_file"
-    # With job control on (set -m) the background job leads a process group of its own;
-    # the inner shell writes its pid (the group's leader, so pid == pgid) and then
-    # becomes the worker with exec.
-    set -m
-    # shellcheck disable=SC2016  # $$, $1 and $@ are the inner shell's, not ours
-    env "${env_args[@]}" bash -c 'echo "$$" >"$1"; shift; exec "$@"' start-pool "$pid_file" \
-        "$python" "${args[@]}" </dev/null >>"$log_file" 2>&1 &
-    set +m
-    for ((wait_ms = 0; wait_ms < 5000; wait_ms += 50)); do
-        [[ -s $pid_file ]] && break
-        sleep 0.05
-    done
-    [[ -s $pid_file ]] || { echo "$PROG: error: $name did not start; see $log_file" >&2; exit 1; }
-    pid=$(<"$pid_file")
-    started+=("$name")
-    echo "started $name: pid $pid, $placement, log $log_file"
+    start_one "$role-$i" "$placement" "${env_args[@]}" -- "${args[@]}" "${extra[@]}"
 done
 
 # A worker that exits at once (bad flag, missing model, import error) is reported now.

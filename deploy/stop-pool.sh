@@ -20,7 +20,8 @@ usage: $PROG [--log-dir DIR] [--grace SECONDS] [ROLE]
 
 Stop the workers whose pid files are in DIR (default: $DEFAULT_LOG_DIR).
 
-  ROLE               prefill, decode or unified; default: all
+  ROLE               prefill, decode, unified or node-store (start-pool.sh --node-store-gib);
+                     default: all
   --log-dir DIR      where deploy/start-pool.sh wrote logs and pid files
   --grace SECONDS    wait this long after SIGTERM before SIGKILL (default: 60)
   -h, --help         this text
@@ -73,8 +74,8 @@ while [[ $# -gt 0 ]]; do
 done
 
 case $role in
-    "" | prefill | decode | unified) ;;
-    *) die "ROLE must be 'prefill', 'decode' or 'unified', not '$role'" ;;
+    "" | prefill | decode | unified | node-store) ;;
+    *) die "ROLE must be 'prefill', 'decode', 'unified' or 'node-store', not '$role'" ;;
 esac
 [[ $grace =~ ^[0-9]+$ ]] || die "--grace must be a whole number of seconds, not '$grace'"
 
@@ -87,7 +88,7 @@ shopt -s nullglob
 if [[ -n $role ]]; then
     pid_files=("$log_dir/$role"-*.pid)
 else
-    pid_files=("$log_dir"/prefill-*.pid "$log_dir"/decode-*.pid "$log_dir"/unified-*.pid)
+    pid_files=("$log_dir"/prefill-*.pid "$log_dir"/decode-*.pid "$log_dir"/unified-*.pid "$log_dir"/node-store-*.pid)
 fi
 if [[ ${#pid_files[@]} -eq 0 ]]; then
     echo "nothing to stop: no ${role:+$role }pid files in $log_dir"

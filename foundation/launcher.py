@@ -5,7 +5,8 @@ its addresses through a ready file, and is stopped with SIGTERM, which drains it
 (``worker.drain``). Then its whole process group is stopped (SIGKILL after a
 grace period), so that vLLM's own child processes go with it. With nothing running a
 worker exits at once: stopping an idle pool (``kvroute serve`` stops its API first)
-takes no longer than it did.
+takes no longer than it did. A node KV store (``kvroute node-store``) is launched, made
+ready and stopped the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+NODE_STORE = "node-store"  # the role name of a launched node store
 
 
 class WorkerStartError(RuntimeError):
@@ -142,11 +145,22 @@ def spawn(command: list[str], log_path: Path, env: dict[str, str], own_session: 
 def launch_worker(role: str, args: list[str], log_dir: Path | None = None,
                   env: dict[str, str] | None = None, own_session: bool = False) -> LaunchedWorker:
     """Start ``python -m <role>_worker ARGS`` without waiting for it to be ready."""
+    return _launch(role, ["-m", f"{role}_worker", *args], log_dir, env, own_session)
+
+
+def launch_node_store(args: list[str], log_dir: Path | None = None) -> LaunchedWorker:
+    """Start ``python -m kvroute node-store ARGS`` (the host's node KV store) without waiting
+    for it; its ``info`` holds its ``address`` once ready. Stopped like a worker."""
+    return _launch(NODE_STORE, ["-m", "kvroute", "node-store", *args], log_dir)
+
+
+def _launch(name: str, python_args: list[str], log_dir: Path | None, env: dict[str, str] | None = None,
+            own_session: bool = False) -> LaunchedWorker:
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvroute-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stamp = f"{role}-{time.monotonic_ns()}"
+    stamp = f"{name}-{time.monotonic_ns()}"
     ready_file = log_dir / f"{stamp}.ready.json"
     log_path = log_dir / f"{stamp}.log"
-    command = [sys.executable, "-m", f"{role}_worker", *args, "--ready-file", str(ready_file)]
+    command = [sys.executable, *python_args, "--ready-file", str(ready_file)]
     process = spawn(command, log_path, {**os.environ, **(env or {})}, own_session)
-    return LaunchedWorker(role, process, ready_file, log_path)
+    return LaunchedWorker(name, process, ready_file, log_path)

@@ -142,6 +142,9 @@ class GenerateChunk(_Message, tag="chunk"):
     logprobs: list[TokenLogprobs] | None = None
     # Consumer, first chunk only: the pull that brought this request's prompt blocks.
     transfer: PullRecord | None = None
+    # Last chunk only: prompt tokens the engine loaded from the node KV tier (transfer.node_store),
+    # a part of num_cached_tokens.
+    num_tier_tokens: int = 0
 
 
 class ErrorReply(_Message, tag="error"):
@@ -172,6 +175,19 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     # (layout, layers, blocks, positions, frame size), and pulls whose frame checksum failed.
     pulls_refused: int = 0
     checksum_failures: int = 0
+    # The node KV tier (transfer.node_store): loads of prompt blocks from it, and the
+    # write-through of new blocks (staged on the engine's thread, then put).
+    tier_loads_ok: int = 0
+    tier_loads_failed: int = 0
+    tier_blocks_loaded: int = 0
+    tier_bytes_loaded: int = 0
+    tier_load_microseconds: int = 0
+    tier_saves_staged: int = 0  # write-throughs begun; each ends in one of the next two
+    tier_saves: int = 0
+    tier_saves_failed: int = 0
+    tier_blocks_written: int = 0  # stored by the store (blocks it already held are not)
+    tier_bytes_staged: int = 0
+    tier_stage_microseconds: int = 0  # on the engine's thread, before its next step
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -404,6 +420,98 @@ class PullOverLink(_Message, tag="pull_link"):
     checksum: bool = False  # as PullBlocks.checksum, for the transfer over the link
 
 
+
+# ---------------------------------------------------------------- node KV tier (transfer.node_store)
+#
+# Blocks are named by kvroute's namespaced chain hashes (``foundation.identity``), as 16
+# little-endian bytes each: the hash covers the cache salt and every earlier token, so a
+# tenant's key never names another tenant's block.
+
+
+class TierLookup(_Message, tag="tier_lookup"):
+    """How many of these blocks, from the first, does the node store hold (in any tier)?"""
+
+    keys: list[bytes]
+
+
+class TierLookupReply(_Message, tag="tier_lookup_reply"):
+    num_leading: int
+
+
+class TierPut(_Message, tag="tier_put"):
+    """Store these blocks, skipping those already held. They lie in ``copy`` (the writer's
+    memfd: every layer's blocks in wire format, one layer after another, as a staged lease)
+    when the writer shares the store's host, else in the one frame that follows."""
+
+    keys: list[bytes]
+    layout: KVLayoutSpec
+    copy: SharedCopyRef | None = None
+
+
+class TierPutReply(_Message, tag="tier_put_reply"):
+    """A refused put is answered with an ErrorReply instead (code ``copy_unavailable``: the
+    store cannot open ``copy``; send the blocks as a frame)."""
+
+    stored: int = 0
+    present: int = 0  # already held, not written again
+    no_room: int = 0  # every host block was pinned by readers
+
+
+class TierGet(_Message, tag="tier_get"):
+    """Where these blocks lie. ``host``: the reader's shared-memory host
+    (``transfer.memfd.local_host``); when it is the store's, the answer names the arenas
+    to read from, else one frame per block follows it."""
+
+    keys: list[bytes]
+    layout: KVLayoutSpec
+    host: str = ""
+
+
+class TierBlock(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    arena: int  # index into TierGetReply.arenas; -1: the block comes as a frame
+    offset: int  # of the block's slot in the arena
+    checksum: int  # xxh3-64 of the block's bytes, for the reader to check
+
+
+class TierGetReply(_Message, tag="tier_get_reply"):
+    """The blocks asked for, in order, each pinned (not evicted) for a few seconds. A get
+    the store cannot serve whole is answered with an ErrorReply instead."""
+
+    arenas: list[SharedCopyRef] = msgspec.field(default_factory=list)
+    blocks: list[TierBlock] = msgspec.field(default_factory=list)
+
+
+class TierCounters(msgspec.Struct, forbid_unknown_fields=False):
+    """What a node store holds and has done since it started."""
+
+    block_bytes: int = 0
+    host_blocks: int = 0
+    host_capacity: int = 0
+    disk_blocks: int = 0
+    disk_capacity: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0  # blocks found by lookups
+    puts: int = 0
+    blocks_stored: int = 0
+    blocks_present: int = 0  # offered by a put but already held
+    gets: int = 0
+    gets_failed: int = 0
+    blocks_served: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    dropped: int = 0  # evicted from the last tier
+    corrupt_blocks: int = 0  # failed their checksum on the way back from disk
+
+
+class TierStatsRequest(_Message, tag="tier_stats"):
+    pass
+
+
+class TierStatsReply(_Message, tag="tier_stats_reply"):
+    counters: TierCounters
+    layout: KVLayoutSpec | None = None
+
+
 Message = (
     GenerateRequest
     | AbortRequest
@@ -430,6 +538,14 @@ Message = (
     | LinkSetup
     | OpenLink
     | PullOverLink
+    | TierLookup
+    | TierLookupReply
+    | TierPut
+    | TierPutReply
+    | TierGet
+    | TierGetReply
+    | TierStatsRequest
+    | TierStatsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -49,10 +49,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     config.add_arguments(serve, PoolSettings, with_config_flag=False)
     serve.set_defaults(func=_run_serve)
+    _add_node_store_command(commands)
     _add_keys_commands(commands)
     worker_probe.add_cli(commands)
     _add_bench_commands(commands)
     return parser
+
+
+def _add_node_store_command(commands) -> None:
+    from foundation import config, zmq_auth
+    from transfer.node_store.settings import NodeStoreSettings
+
+    store = commands.add_parser("node-store", help="run this host's node KV store: host memory (and disk) behind "
+                                                   "every engine cache on the host (docs/transfer.md)")
+    config.add_arguments(store, NodeStoreSettings)
+    zmq_auth.add_security_arguments(store)
+    store.add_argument("--ready-file", type=Path, default=None,
+                       help="write the store's address as JSON here once it serves")
+    store.set_defaults(func=_run_node_store)
+
+
+def _run_node_store(args: argparse.Namespace) -> int:
+    import json
+
+    from foundation import config
+    from transfer.node_store.server import run_node_store
+    from transfer.node_store.settings import NodeStoreSettings
+
+    def ready(address: str) -> None:
+        if args.ready_file is not None:
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"address": address}))
+            tmp.replace(args.ready_file)
+
+    run_node_store(config.load(NodeStoreSettings, args), args.cluster_keys, args.insecure_no_auth,
+                   args.transfer_encryption == "on", ready)
+    return 0
 
 
 def _add_keys_commands(commands) -> None:

@@ -3,8 +3,9 @@
 ::
 
     prepare model ─▶ start HTTP API + registry ─▶ pick the topology (``kvroute.topology``)
-        ─▶ launch its workers ─▶ wait until every worker registered ─▶ print the URL ─▶ serve until Ctrl-C/SIGTERM
-        ─▶ stop the API, then SIGTERM every worker (SIGKILL stragglers): no orphans
+        ─▶ launch its node KV store (with --host-kv-gib), then its workers ─▶ wait until every worker registered
+        ─▶ print the URL ─▶ serve until Ctrl-C/SIGTERM
+        ─▶ stop the API, then SIGTERM every worker (SIGKILL stragglers), then the store: no orphans
 """
 
 from __future__ import annotations
@@ -21,9 +22,17 @@ import uvloop
 
 from foundation import cluster_keys, tracing
 from foundation.config import setting
-from foundation.launcher import LaunchedWorker, WorkerStartError, error_lines, launch_worker, stop_all
+from foundation.launcher import (
+    NODE_STORE,
+    LaunchedWorker,
+    WorkerStartError,
+    error_lines,
+    launch_node_store,
+    launch_worker,
+    stop_all,
+)
 from foundation.model_prep import resolve_model
-from foundation.netutil import free_port
+from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
 from kvroute.topology import (
     AUTO,
@@ -39,9 +48,11 @@ from orchestrator.app import create_apps
 from orchestrator.http_server import listeners, serve_all, stop_on_signals
 from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import DEFAULT_TRANSFER_CHECKSUM, ENDPOINT, check_transfer_link, transfer_checksum_on
+from transfer.node_store.settings import NodeStoreSettings
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger("kvroute.serve")
+NODE_STORE_START_SECONDS = 30.0  # torch-free: it serves within a second or two
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,12 @@ class PoolSettings:
     pull_timeout_seconds: float = setting(WorkerSettings.pull_timeout_seconds,
                                           "seconds a decode worker waits for a pull of KV before it recomputes "
                                           "the prompt itself")
+    host_kv_gib: float = setting(0.0, "a node KV store for the workers: this much host memory in GiB keeps KV "
+                                      "blocks evicted from every engine cache, for any engine to load back; 0: "
+                                      "none (docs/transfer.md, \"Node KV tier\")")
+    disk_kv_dir: str = setting("", "the node store's disk tier: a folder (its own subfolder, emptied at start and "
+                                   "stop); blocks evicted from its host memory go there")
+    disk_kv_gib: float = setting(0.0, "bytes of the node store's disk tier in GiB")
     long_prefill_tokens: int = setting(-1, "most tokens of one prompt in an engine step while other requests "
                                            "run or wait, given to every worker; -1: the role's default (256 on "
                                            "prefill and decode workers, none on unified ones), 0: no cap")
@@ -88,10 +105,23 @@ class PoolSettings:
             raise ValueError("KV cache sizes must be positive")
         check_transfer_link(self.transfer_link)
         transfer_checksum_on(self.transfer_checksum)
+        if self.host_kv_gib < 0:
+            raise ValueError("host_kv_gib must not be negative")
+        if (self.disk_kv_dir or self.disk_kv_gib) and self.host_kv_gib <= 0:
+            raise ValueError("a disk tier needs a node store: give --host-kv-gib too")
+
+    def node_store_settings(self) -> NodeStoreSettings | None:
+        """The node store this pool runs, on a free loopback port; None without --host-kv-gib."""
+        if self.host_kv_gib <= 0:
+            return None
+        return NodeStoreSettings(bind=tcp("127.0.0.1", free_port()), host_kv_gib=self.host_kv_gib,
+                                 disk_kv_dir=self.disk_kv_dir, disk_kv_gib=self.disk_kv_gib)
 
 
-def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, engine: Engine) -> list[str]:
-    return ["--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(engine.kv_cache_gib),
+def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str, engine: Engine,
+                node_store: str = "") -> list[str]:
+    return [*(["--node-store", node_store] if node_store else []),
+            "--model", model, "--dtype", pool.dtype, "--kv-cache-gib", str(engine.kv_cache_gib),
             "--max-model-len", str(orchestrator.max_model_len), "--transfer-link", pool.transfer_link,
             "--orchestrator", f"tcp://127.0.0.1:{orchestrator.registry_port}",
             # Engines sharing a machine get cores of their own, not all of them each.
@@ -126,12 +156,33 @@ def machine_topology(pool: PoolSettings) -> Topology:
 
 def launch_pool(pool: PoolSettings, orchestrator: OrchestratorSettings, model: str,
                 topology: Topology) -> list[LaunchedWorker]:
+    """The topology's workers, after the node store they use if there is one (first in the list)."""
     log_dir = Path(pool.log_dir or tempfile.mkdtemp(prefix="kvroute-serve-"))
-    workers = [launch_worker(engine.role, worker_args(pool, orchestrator, model, engine), log_dir,
-                             env=None if engine.gpu is None else {"CUDA_VISIBLE_DEVICES": str(engine.gpu)})
-               for engine in topology.engines]
-    logger.info("launched %d workers; logs in %s", len(workers), log_dir)
-    return workers
+    started = []
+    node_store = ""
+    store_settings = pool.node_store_settings()
+    if store_settings is not None:
+        store = launch_node_store(node_store_args(store_settings, orchestrator), log_dir)
+        try:
+            node_store = store.wait_ready(NODE_STORE_START_SECONDS)["address"]
+        except WorkerStartError:
+            store.stop()
+            raise
+        started.append(store)
+    started += [launch_worker(engine.role, worker_args(pool, orchestrator, model, engine, node_store), log_dir,
+                              env=None if engine.gpu is None else {"CUDA_VISIBLE_DEVICES": str(engine.gpu)})
+                for engine in topology.engines]
+    logger.info("launched %d workers%s; logs in %s", len(topology.engines),
+                f" and a node KV store at {node_store}" if node_store else "", log_dir)
+    return started
+
+
+def node_store_args(store: NodeStoreSettings, orchestrator: OrchestratorSettings) -> list[str]:
+    return ["--bind", store.bind, "--host-kv-gib", str(store.host_kv_gib),
+            *(["--disk-kv-dir", store.disk_kv_dir, "--disk-kv-gib", str(store.disk_kv_gib)]
+              if store.disk_kv_gib else []),
+            *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
+            "--transfer-encryption", orchestrator.transfer_encryption]
 
 
 async def wait_registered(fleet, workers: list[LaunchedWorker], timeout: float) -> None:
@@ -175,8 +226,10 @@ async def serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> None:
         for server in servers:
             server.should_exit = True
         await asyncio.gather(api, return_exceptions=True)
-        await asyncio.to_thread(stop_all, workers)
-        logger.info("stopped %d workers", len(workers))
+        engines = [worker for worker in workers if worker.role != NODE_STORE]
+        await asyncio.to_thread(stop_all, engines)  # before the store, which they write to until they stop
+        await asyncio.to_thread(stop_all, [worker for worker in workers if worker.role == NODE_STORE])
+        logger.info("stopped %d workers", len(engines))
 
 
 async def _race(api: asyncio.Task, waiting) -> bool:

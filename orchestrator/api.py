@@ -239,7 +239,8 @@ def usage(jobs: list[Job], outcomes: list[Outcome]) -> dict:
     prompt = sum(len(job.prompt_token_ids) for job in jobs)
     completion = sum(outcome.completion_tokens for outcome in outcomes)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes),
+                                      "tier_cached_tokens": sum(o.tier_tokens for o in outcomes)}}
 
 
 async def _respond(service: CompletionService, body: _Sampling, jobs: list[Job], shape: ChatShape,

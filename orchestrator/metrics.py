@@ -50,6 +50,9 @@ class Metrics:
                                         ["worker"], registry=r)
         self.cached_tokens = Counter("kvroute_cached_prompt_tokens",
                                      "prompt tokens the prefilling engine found in its cache", ["worker"], registry=r)
+        self.tier_tokens = Counter("kvroute_tier_prompt_tokens",
+                                   "of the cached prompt tokens, those loaded from the node KV tier", ["worker"],
+                                   registry=r)
         self.generation_tokens = Counter("kvroute_generation_tokens", "completion tokens returned", registry=r)
         self.ttft_estimate_ratio = Histogram("kvroute_ttft_estimate_ratio",
                                              "actual TTFT over the chosen plan's estimate (1: exact)",
@@ -109,6 +112,7 @@ class Metrics:
         self.prefix_tokens.observe(len(job.prompt_token_ids))
         self._per_worker(self.estimated_reused, (prefilling,), prefilling).inc(record.predicted_reused_tokens)
         self._per_worker(self.cached_tokens, (prefilling,), prefilling).inc(handoff.prefill_cached_tokens)
+        self._per_worker(self.tier_tokens, (prefilling,), prefilling).inc(handoff.prefill_tier_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
         if plan.estimate is not None and plan.estimate.ttft > 0 and record.actual.ttft is not None:

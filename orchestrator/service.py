@@ -99,6 +99,7 @@ class Outcome:
 
     completion_tokens: int = 0
     cached_tokens: int = 0
+    tier_tokens: int = 0  # of cached_tokens, loaded from the node KV tier
     finish_reason: str | None = None
     record: DecisionRecord | None = None  # the first placement's
     generated_token_ids: list[int] = field(default_factory=list)
@@ -318,6 +319,7 @@ class CompletionService:
             self._track(plan, -1)
             if attempt is job:
                 outcome.cached_tokens = handoff.prefill_cached_tokens
+                outcome.tier_tokens = handoff.prefill_tier_tokens
             self._complete(attempt, plan, handoff, outcome, record, idle_at_start, client_facing=attempt is job)
 
     def _report_health(self, plan: Plan, ok: bool, failure: _WorkerFailed | None) -> None:

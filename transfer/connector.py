@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
 
 
 class KVRouteConnector(KVConnectorBase_V1):
@@ -119,3 +120,8 @@ class KVRouteConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        if connector_output.failed_recving:
+            self._scheduler.loads_failed(set(connector_output.failed_recving))

@@ -14,7 +14,12 @@ consumer's cache spends its room on what only it holds (prompts it prefilled its
 rather than on copies the producer most likely still has. A pulled block that another
 request is using by then keeps vLLM's order.
 
-Everything here is bookkeeping; all I/O happens in the worker half.
+With a node store (``ConnectorSettings.node_store``), a request without a pull source
+looks for its prompt's blocks there, and every request's newly computed blocks are
+written through to it (``transfer.tier_scheduler``).
+
+Everything here is bookkeeping; all I/O but the node store's lookup happens in the
+worker half.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from typing import Any
 from foundation import wire
 from transfer.free_queue import demote
 from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
+from transfer.node_store.client import NodeStoreClient
 from transfer.request_params import PARAMS_KEY, kvroute_params, prompt_digest
 from transfer.settings import ConnectorSettings
+from transfer.tier_scheduler import TierScheduler
 
 logger = logging.getLogger("kvroute.transfer.scheduler")
 
@@ -39,7 +46,8 @@ MAX_PENDING_DEMOTIONS = 4096  # ended requests whose pulled blocks wait to be de
 class ConnectorScheduler:
     """Single writer: vLLM's scheduler thread calls every method."""
 
-    def __init__(self, settings: ConnectorSettings, block_size: int):
+    def __init__(self, settings: ConnectorSettings, block_size: int, node_store: NodeStoreClient | None = None):
+        """``node_store``: the client of ``settings.node_store`` (default: made here)."""
         self.settings = settings
         self.block_size = block_size
         self._pending = KVRouteConnectorMetadata()
@@ -47,6 +55,9 @@ class ConnectorScheduler:
         self._pulled: dict[str, list[Any]] = {}  # consumer request → the vLLM blocks its pull fills
         self._finished_pulls: list[list[tuple[Any, Any]]] = []  # (block, its hash) of ended requests, to demote
         self._demotion_waits = False  # the last scan met a long never-cached run; no rescans until the step ends
+        if node_store is None and settings.node_store:
+            node_store = NodeStoreClient(settings.node_store, lookup_timeout=settings.node_store_lookup_seconds)
+        self._tier = TierScheduler(node_store, block_size) if node_store is not None else None
 
     # ---------------------------------------------------------------- consumer
 
@@ -67,8 +78,13 @@ class ConnectorScheduler:
         step between the last request's end and the next one's allocation)."""
         if not self._demotion_waits:  # else the queue was scanned in vain this step: retried at its end
             self._demote_finished_pulls()
+        if self._tier is not None:
+            self._tier.note_local_hit(request, num_computed_tokens)
         source = self.pull_source(request)
-        if source is None or request.request_id in self._allocated:
+        if source is None:
+            count = self._tier.matched_tokens(request, num_computed_tokens) if self._tier is not None else 0
+            return (count, True) if count > 0 else (0, False)
+        if request.request_id in self._allocated:
             return 0, False
         if not self._prefix_matches(request, source):
             return 0, False
@@ -88,29 +104,76 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         source = self.pull_source(request)
-        if source is None or request.request_id in self._allocated:
+        if source is None:
+            self._admit_for_tier(request, blocks, num_external_tokens)
+            return
+        if request.request_id in self._allocated:
             return
         self._allocated.add(request.request_id)
         if num_external_tokens == 0:
+            self._tier_admitted(request, 0)
             self._pending.releases.append((source, "local_hit"))
             return
-        self._pending.loads.append(self._plan_load(request.request_id, source, blocks, num_external_tokens))
+        self._pending.loads.append(self._plan_load(request, source, blocks, num_external_tokens))
 
-    def _plan_load(self, request_id: str, source: wire.PullSource, blocks: Any,
-                   num_external_tokens: int) -> LoadSpec:
+    def _plan_load(self, request: Any, source: wire.PullSource, blocks: Any, num_external_tokens: int) -> LoadSpec:
         group = blocks.blocks[0]
-        num_local_blocks = sum(1 for block in group if block.block_hash is not None)
+        num_local_blocks = _num_cached(group)
         num_tokens = num_local_blocks * self.block_size + num_external_tokens
         last = math.ceil(num_tokens / self.block_size)
         pulled = group[num_local_blocks:last]
         if self.settings.evict_pulled_first:
-            self._pulled[request_id] = list(pulled)
+            self._pulled[request.request_id] = list(pulled)
+        self._tier_admitted(request, num_external_tokens)
         local_ids = tuple(block.block_id for block in pulled)
-        return LoadSpec(request_id, source, tuple(range(num_local_blocks, last)), local_ids)
+        return LoadSpec(request.request_id, source, tuple(range(num_local_blocks, last)), local_ids)
+
+    # ---------------------------------------------------------------- node KV tier
+
+    def _admit_for_tier(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """A request without a pull source: load what its lookup found in the tier."""
+        if self._tier is None:
+            return
+        if num_external_tokens == 0:
+            self._tier.admitted(request, 0)
+            return
+        self._pending.tier_loads.append(self._tier.plan_load(request, blocks.blocks[0], num_external_tokens))
+
+    def _tier_admitted(self, request: Any, num_external_tokens: int) -> None:
+        """Its blocks up to its local hit and external tokens are not written through: the
+        engine had them, or the producer that computed them (full blocks only)."""
+        if self._tier is not None:
+            self._tier.admitted(request, num_external_tokens)
+
+    def loads_failed(self, request_ids: set[str]) -> None:
+        """vLLM recomputes these requests' external tokens (``kv_load_failure_policy``)."""
+        if self._tier is not None:
+            for request_id in request_ids:
+                self._tier.load_failed(request_id)
 
     # ---------------------------------------------------------------- producer
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Hold a producer's blocks under a lease; write new blocks through to the node store.
+        The output's ``kv_transfer_params["kvroute"]`` carry the pull source and the prompt
+        tokens loaded from the node store (``tier_tokens``)."""
+        held, params = self._hold(request, block_ids)
+        tier_tokens = self._write_through(request, block_ids)
+        if tier_tokens:
+            params = params or {PARAMS_KEY: {}}
+            params[PARAMS_KEY]["tier_tokens"] = tier_tokens
+        return held, params
+
+    def _write_through(self, request: Any, block_ids: list[int]) -> int:
+        """Plans the write-through of the request's new blocks; the tokens its tier load brought."""
+        if self._tier is None:
+            return 0
+        save, tier_tokens = self._tier.finished(request, block_ids)
+        if save is not None:
+            self._pending.tier_saves.append(save)
+        return tier_tokens
+
+    def _hold(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = kvroute_params(request)
         request_id = request.request_id
         if request_id in self._allocated:
@@ -170,6 +233,11 @@ class ConnectorScheduler:
             self._finished_pulls = []
         else:
             self._demotion_waits = True
+
+
+def _num_cached(group: list[Any]) -> int:
+    """The leading blocks of a request's allocation that the engine's prefix cache supplied."""
+    return sum(1 for block in group if block.block_hash is not None)
 
 
 def _finished_normally(request: Any) -> bool:

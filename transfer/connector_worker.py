@@ -9,6 +9,9 @@ A failed pull is reported as failed, and vLLM (``kv_load_failure_policy="recompu
 computes the prompt locally instead. That includes a pull whose producer answered with
 a header that disagrees with it (``transfer.pull_check``: refused before anything is
 written) and one whose frame failed its checksum (refused before that frame is stored).
+
+With a node store, the tier's loads and write-throughs run beside them
+(``transfer.tier_worker``): a load from the tier completes or fails like a pull.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
-from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.metadata import KVRouteConnectorMetadata, LoadSpec, TierLoad
+from transfer.node_store.client import NodeStoreClient
 from transfer.pull_check import CorruptFrame, PullRefused
 from transfer.pull_records import PullRecords
 from transfer.settings import ConnectorSettings
 from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
+from transfer.tier_worker import TierWorker
 from transfer.transports.links import LinkTable
 
 logger = logging.getLogger("kvroute.transfer.worker")
@@ -73,6 +78,10 @@ class ConnectorWorker:
         self._idle_step = False
         self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
         self._reads_shared_copies = False  # known once the caches are registered
+        self._tier: TierWorker | None = None
+        if settings.node_store:
+            self._tier = TierWorker(NodeStoreClient(settings.node_store, self._context), self.counters,
+                                    self._pool, self._shares_copies)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # The block server and pull threads share the GIL with vLLM's model-runner thread,
@@ -89,6 +98,8 @@ class ConnectorWorker:
                                   link_settings=self.settings.link_settings(),
                                   max_parked=self.settings.max_parked_pulls)
         self.server.start()
+        if self._tier is not None:
+            self._tier.attach(self.cache)
         shortened = shorten_idle_spin(self.settings.idle_spin_seconds)
         logger.info("kvroute transfer endpoint on %s (layout %s), transfer threads on CPUs %s; "
                     "%d command queue(s) spin at most %.3f s after a command",
@@ -98,6 +109,8 @@ class ConnectorWorker:
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
         self._idle_step = metadata.idle_step
+        for save in metadata.tier_saves:  # first: this step may hand their blocks to other requests
+            self._tier.save(save)
         for grant in metadata.grants:
             lease = Lease(grant.handle, grant.request_id, grant.block_ids, grant.num_tokens,
                           now + self.settings.lease_seconds)
@@ -108,10 +121,11 @@ class ConnectorWorker:
                 # thread would wait for the GIL at every layer (see ``register``).
                 self._stage(lease)
         for load in metadata.loads:
-            self.counters.add(active_pulls=1)
-            with self._lock:
-                self._active_loads += 1
+            self._begin_load()
             self._pool.submit(self._pull, load)
+        for tier_load in metadata.tier_loads:
+            self._begin_load()
+            self._pool.submit(self._load_from_tier, tier_load)
         for source, reason in metadata.releases:
             self._pool.submit(release_lease, self._context, source.address, source.handle, reason,
                               channels=self._channels)
@@ -170,6 +184,23 @@ class ConnectorWorker:
                              channels=self._channels):
             logger.warning("producer %s did not confirm the release of request %s's lease; it frees the "
                            "blocks when the lease expires", load.source.address, load.request_id)
+
+    def _load_from_tier(self, load: TierLoad) -> None:
+        try:
+            self._tier.load(load)
+        except Exception as error:  # any failure falls back to recompute, never a lost request
+            logger.warning("loading request %s's prompt from the node store failed (%s); recomputing it",
+                           load.request_id, error)
+            self.counters.add(tier_loads_failed=1)
+            self._finish(load.request_id, failed=True)
+            return
+        self.counters.add(tier_loads_ok=1)
+        self._finish(load.request_id, failed=False)
+
+    def _begin_load(self) -> None:
+        self.counters.add(active_pulls=1)
+        with self._lock:
+            self._active_loads += 1
 
     def _record(self, load: LoadSpec, nbytes: int, started: tuple[float, float], ok: bool) -> None:
         started_at, started_counter = started
@@ -232,6 +263,8 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._tier is not None:
+            self._tier.close()
         self._links.close_all()
         self._channels.close()
         if self.server is not None:

@@ -72,6 +72,7 @@ class PagedKVCache:
             block_size=block_size,
             bytes_per_block=self._layer_bytes_per_block() * len(self.layers),
         )
+        self._rows: list | None = None  # see _layer_rows
 
     def _block_shape(self, layer: torch.Tensor) -> list[int]:
         shape = list(layer.shape)
@@ -175,6 +176,24 @@ class PagedKVCache:
         return [((lead * copy_blocks + first_position) * row_bytes,
                  [memoryview(rows[lead, first:first + count]) for first, count in segments])
                 for lead in range(rows.shape[0]) for first_position, segments in runs]
+
+    def block_rows(self, block_id: int) -> list[memoryview]:
+        """Where one block lies in this cache, as ``gather_layer`` of that block writes it,
+        layer after layer: per layer, its row under each leading index (e.g. keys, then
+        values). Host-memory, contiguous layers only."""
+        _check_range((block_id,), self.num_blocks, "block id")
+        return [memoryview(row) for rows in self._layer_rows() for row in rows[:, block_id]]
+
+    def _layer_rows(self) -> list:
+        """Per layer, its bytes as a numpy array (leading index, block, row); built once."""
+        if self._rows is None:
+            if not all(layer.is_contiguous() and layer.device.type == "cpu" for layer in self.layers):
+                raise LayoutMismatch("reading rows needs a contiguous host-memory cache")
+            self._rows = []
+            for layer in self.layers:
+                rows = self._wire_rows(layer, self.num_blocks)
+                self._rows.append(rows.reshape(-1, self.num_blocks, rows.shape[-1]).numpy())
+        return self._rows
 
     def run_of_copy(self, copy: torch.Tensor, first: int, count: int) -> torch.Tensor | None:
         """Blocks ``first … first+count-1`` of a copy as a view in wire format, when they lie

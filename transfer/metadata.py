@@ -29,6 +29,24 @@ class LoadSpec:
     local_block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class TierLoad:
+    """Read these node store blocks (``transfer.node_store``) into ``local_block_ids``."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    local_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierSave:
+    """Write these blocks of a finished request through to the node store."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class KVRouteConnectorMetadata(KVConnectorMetadata):
     grants: list[LeaseGrant] = field(default_factory=list)
@@ -37,6 +55,9 @@ class KVRouteConnectorMetadata(KVConnectorMetadata):
     releases: list[tuple[PullSource, str]] = field(default_factory=list)
     # The step computes nothing: vLLM is only polling for finished transfers.
     idle_step: bool = False
+    tier_loads: list[TierLoad] = field(default_factory=list)
+    tier_saves: list[TierSave] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.grants or self.loads or self.releases or self.idle_step)
+        return not (self.grants or self.loads or self.releases or self.idle_step or self.tier_loads
+                    or self.tier_saves)

@@ -13,6 +13,7 @@ from transfer.link_names import (
     parse_link_hosts,
     transfer_checksum_on,
 )
+from transfer.node_store.settings import check_loopback_or_ipc
 from transfer.transports.selection import HOSTED_AT_ONCE
 from transfer.transports.settings import AUTO, TransportSettings
 
@@ -68,6 +69,12 @@ class ConnectorSettings:
     # frame reaches its cache (transfer.transports.checksums); a mismatch fails the pull,
     # and the request is recomputed.
     transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
+    # The node KV store of this host (transfer.node_store), e.g. tcp://127.0.0.1:7390: new
+    # blocks are written through to it and prompts load the leading blocks it holds; empty: none.
+    node_store: str = ""
+    # How long the scheduler waits for the store's answer to a lookup before computing the
+    # prompt instead; a store that missed it is left alone for a few seconds.
+    node_store_lookup_seconds: float = 0.05
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -80,6 +87,10 @@ class ConnectorSettings:
             raise ValueError("kvroute connector needs transfer_address (the advertised endpoint)")
         check_transfer_link(settings.transfer_link)
         parse_link_hosts(settings.transfer_link_hosts)
+        if settings.node_store:
+            check_loopback_or_ipc(settings.node_store)
+        if settings.node_store_lookup_seconds <= 0:
+            raise ValueError("node_store_lookup_seconds must be positive")
         if settings.max_parked_pulls < 1:
             raise ValueError("max_parked_pulls must be at least 1")
         return settings

@@ -28,79 +28,34 @@ is this lease's copy.
 
 from __future__ import annotations
 
-import functools
-import mmap
 import os
-import secrets
-import threading
 
 import torch
 
 from foundation.wire import SharedCopyRef
 from transfer.kv_layout import PagedKVCache
-from transfer.transports.handshake import host_identity
+from transfer.memfd import SUPPORTED, MemFile, SharedMemoryUnavailable, local_host, open_named, read_fully
 
 NAME_PREFIX = "kvroute-lease-"
-# Linux: memfds, and /proc to reach another process's descriptors. Elsewhere every pull is frames.
-SUPPORTED = hasattr(os, "memfd_create") and hasattr(os, "preadv") and os.path.isdir("/proc/self/fd")
-MAX_BUFFERS_PER_READ = 1024  # Linux's IOV_MAX
+
+# Anything that keeps the consumer from reading the copy; the pull then asks for frames.
+SharedCopyUnavailable = SharedMemoryUnavailable
+
+__all__ = ["NAME_PREFIX", "SUPPORTED", "SharedCopy", "SharedCopyUnavailable", "local_host", "read_shared_copy",
+           "stage_shared"]
 
 
-class SharedCopyUnavailable(RuntimeError):
-    """This consumer cannot read the producer's shared copy; the layers must come as frames."""
-
-
-@functools.cache
-def local_host() -> str:
-    """Equal for two processes that can open each other's descriptors through /proc: one
-    running machine (``host_identity``) and one PID namespace. Empty where shared copies
-    are not supported: then this process neither offers nor reads them."""
-    if not SUPPORTED:
-        return ""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""  # no /proc to go through: never offer or accept shared copies
-    return f"{host_identity()}/{namespace}"
-
-
-class SharedCopy:
+class SharedCopy(MemFile):
     """One staged lease's copy in a memfd. The lease that owns it closes it when it ends;
     tensors from ``tensor()`` stay valid after that (they hold the mapping, and the mapping
     a descriptor of its own, which Python's mmap keeps until the last of them is gone)."""
 
     def __init__(self, nbytes: int):
-        self.name = NAME_PREFIX + secrets.token_hex(16)
-        self.nbytes = nbytes
-        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, nbytes)
-            self._mapping = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._closed = False
-        self._lock = threading.Lock()
+        super().__init__(nbytes, NAME_PREFIX)
 
     def tensor(self) -> torch.Tensor:
         """The whole copy as writable bytes, sharing the file's memory."""
-        return torch.frombuffer(self._mapping, dtype=torch.uint8)
-
-    def ref(self, num_blocks: int) -> SharedCopyRef:
-        return SharedCopyRef(pid=os.getpid(), fd=self.fd, name=self.name, num_blocks=num_blocks)
-
-    def close(self) -> None:
-        """Idempotent: a lease can end on the block server while its staging fails."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        os.close(self.fd)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        return torch.frombuffer(self.mapping, dtype=torch.uint8)
 
 
 def stage_shared(cache: PagedKVCache, block_ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], SharedCopy]:
@@ -120,42 +75,13 @@ def read_shared_copy(ref: SharedCopyRef, cache: PagedKVCache, local_block_ids: l
     Returns the bytes read. Raises SharedCopyUnavailable when the copy cannot be opened or
     is not the one named; the cache's target blocks may then hold part of it, and the
     caller writes them again from frames."""
-    fd = _open(ref)
+    fd = open_named(ref, NAME_PREFIX)
     try:
         layer_bytes = ref.num_blocks * cache.layer_bytes_per_block
         total = 0
         for layer in range(cache.spec.num_layers):
             for offset, rows in cache.rows_of_runs(layer, local_block_ids, positions, ref.num_blocks):
-                total += _read_fully(fd, rows, layer * layer_bytes + offset)
+                total += read_fully(fd, rows, layer * layer_bytes + offset)
         return total
     finally:
         os.close(fd)
-
-
-def _open(ref: SharedCopyRef) -> int:
-    try:
-        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as error:
-        raise SharedCopyUnavailable(f"cannot open the producer's copy: {error}") from error
-    try:
-        # Checked on the descriptor we hold, so the answer cannot change under us.
-        target = os.readlink(f"/proc/self/fd/{fd}")
-        if not ref.name.startswith(NAME_PREFIX) or target != f"/memfd:{ref.name} (deleted)":
-            raise SharedCopyUnavailable(f"descriptor {ref.fd} of process {ref.pid} is {target!r}, "
-                                        f"not the copy {ref.name!r} (its lease has ended)")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _read_fully(fd: int, rows: list[memoryview], offset: int) -> int:
-    expected = sum(row.nbytes for row in rows)
-    read = 0
-    for start in range(0, len(rows), MAX_BUFFERS_PER_READ):
-        batch = rows[start:start + MAX_BUFFERS_PER_READ]
-        got = os.preadv(fd, batch, offset + read)
-        read += got
-        if got != sum(row.nbytes for row in batch):
-            raise SharedCopyUnavailable(f"short read from the producer's copy: {read} of {expected} bytes")
-    return read

@@ -91,6 +91,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "the frame reaches the KV cache; a mismatch fails the pull and the prompt is "
                              "recomputed. Frames read from a shared copy on one host carry none "
                              "(default: %(default)s)")
+    parser.add_argument("--node-store", default=os.environ.get("KVROUTE_NODE_STORE", ""),
+                        help="the node KV store of this host (`kvroute node-store`), e.g. tcp://127.0.0.1:7390: "
+                             "new prompt blocks are written through to it, and a prompt whose leading blocks this "
+                             "engine lacks loads them from it (env KVROUTE_NODE_STORE; default: none)")
     add_security_arguments(parser)
     add_tracing_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None,
@@ -118,7 +122,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,
         insecure_no_auth=args.insecure_no_auth, transfer_encryption=args.transfer_encryption == "on",
-        transfer_checksum=transfer_checksum_on(args.transfer_checksum),
+        transfer_checksum=transfer_checksum_on(args.transfer_checksum), node_store=args.node_store,
         otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol)
 
 

@@ -43,6 +43,7 @@ def kv_transfer_config(settings: WorkerSettings) -> KVTransferConfig:
             "insecure_no_auth": settings.insecure_no_auth,
             "transfer_encryption": settings.transfer_encryption,
             "transfer_checksum": settings.transfer_checksum,
+            "node_store": settings.node_store,
         },
     )
 

@@ -54,13 +54,18 @@ def to_chunk(request_id: str, output: RequestOutput) -> wire.GenerateChunk:
         num_cached_tokens=output.num_cached_tokens or 0,
         pull_source=pull_source(output),
         logprobs=_logprobs(completion.logprobs),
+        num_tier_tokens=_connector_params(output).get("tier_tokens", 0),
     )
 
 
 def pull_source(output: RequestOutput) -> wire.PullSource | None:
-    params = (output.kv_transfer_params or {}).get(PARAMS_KEY) or {}
-    raw = params.get("pull_source")
+    raw = _connector_params(output).get("pull_source")
     return wire.from_dict(raw, wire.PullSource) if raw else None
+
+
+def _connector_params(output: RequestOutput) -> dict:
+    """What the connector said about a finished request (transfer.connector_scheduler.request_finished)."""
+    return (output.kv_transfer_params or {}).get(PARAMS_KEY) or {}
 
 
 def _logprobs(positions) -> list[wire.TokenLogprobs] | None:

@@ -19,6 +19,7 @@ from transfer.link_names import (
     parse_link_hosts,
     transfer_checksum_on,
 )
+from transfer.node_store.settings import check_loopback_or_ipc
 from worker.orchestrator_targets import DEFAULT_RESOLVE_SECONDS, parse_entry
 
 DECODE_LONG_PREFILL_TOKENS = 256
@@ -87,6 +88,8 @@ class WorkerSettings:
     evict_pulled_first: bool = True
     # A decode worker checks an xxh3 digest of every pulled frame before it stores it (transfer.pull_check).
     transfer_checksum: bool = transfer_checksum_on(DEFAULT_TRANSFER_CHECKSUM)
+    # The node KV store of this host (transfer.node_store); empty: none.
+    node_store: str = ""
     # Who may speak to this worker (foundation.zmq_auth): the cluster's key folder, or no
     # one checked at all with ``insecure_no_auth``; ``transfer_encryption`` off: KV bytes
     # travel in clear (trusted fabrics only).
@@ -128,6 +131,8 @@ class WorkerSettings:
         check_transfer_link(self.transfer_link)
         parse_link_hosts(self.transfer_link_hosts)
         tracing.check(self.otlp_endpoint, self.otlp_protocol)
+        if self.node_store:
+            check_loopback_or_ipc(self.node_store)
 
     @property
     def long_prefill_step_tokens(self) -> int:

@@ -22,6 +22,7 @@ MODULES = (
     "kvroute.bench.results_page.cli",  # results-page
     "kvroute.bench.gpu_check.cli",  # gpu-check
     "kvroute.bench.peers.cli",  # peers
+    "kvroute.bench.node_tier",  # node-tier
 )
 
 

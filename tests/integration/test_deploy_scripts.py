@@ -126,6 +126,8 @@ def kill_group(pid: int | None) -> None:
     (["prefill", "1", "--orchestrator"], "--orchestrator needs a value"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--kv-cache-gib", "1"], "unknown option"),
     (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--python", "/no/such/python"], "not found"),
+    (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--node-store-gib", "0"], "positive number of GiB"),
+    (["prefill", "1", "--orchestrator", "tcp://127.0.0.1:7001", "--node-store-gib", "lots"], "positive number"),
 ])
 
 def test_start_pool_refuses_bad_arguments(fakes, args, message):
@@ -152,7 +154,7 @@ def check_refused(fakes, args, message, env):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["encode"], "ROLE must be 'prefill', 'decode' or 'unified'"),
+    (["encode"], "ROLE must be 'prefill', 'decode', 'unified' or 'node-store'"),
     (["--grace", "soon"], "--grace must be a whole number"),
     (["prefill", "decode"], "at most one ROLE"),
 ])
@@ -216,6 +218,36 @@ def test_start_and_stop_a_cpu_pool(fakes):
         assert "nothing to stop" in second.stdout
     finally:
         for pid in pids:  # never leave sleepers behind, whatever failed above
+            kill_group(pid)
+
+
+def test_a_pool_with_a_node_store_starts_it_once_and_stops_it_with_the_workers(fakes):
+    log_dir = fakes["log_dir"]
+    common = ["--orchestrator", "tcp://127.0.0.1:7001", "--log-dir", str(log_dir), "--python", str(fakes["python"]),
+              "--node-store-gib", "2"]
+    first = run(START, "prefill", "1", *common, env=fakes["env"])
+    second = run(START, "decode", "1", *common, env=fakes["env"])
+    pids = []
+    try:
+        assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+        assert "started node-store-0" in first.stdout and "node store already running" in second.stdout
+        pids = [int((log_dir / f"{name}.pid").read_text()) for name in ("node-store-0", "prefill-0", "decode-0")]
+        store_argv, _ = records(fakes["records"], pids[0])
+        assert store_argv[:3] == ["-m", "kvroute", "node-store"]
+        assert flag_values(store_argv, "--host-kv-gib") == ["2"]
+        assert flag_values(store_argv, "--bind") == ["tcp://127.0.0.1:7390"]
+        assert flag_values(store_argv, "--cluster-keys") == [os.environ["KVROUTE_CLUSTER_KEYS"]]
+        for pid in pids[1:]:
+            argv, _ = records(fakes["records"], pid)
+            assert flag_values(argv, "--node-store") == ["tcp://127.0.0.1:7390"]
+
+        stopped = run(STOP, "--log-dir", str(log_dir), "--grace", "10", env=fakes["env"])
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"stopped node-store-0 (pid {pids[0]}) with SIGTERM" in stopped.stdout
+        assert wait_for(lambda: not any(group_members(pid) for pid in pids), 5)
+        assert not list(log_dir.glob("*.pid"))
+    finally:
+        for pid in pids:
             kill_group(pid)
 
 

@@ -69,9 +69,13 @@ GENERATE_CHUNK_V1_HEX = (
     "ab70756c6c5f736f75726365" "c0"  # pull_source: nil
     "a86c6f6770726f6273" "c0"  # logprobs: nil
 )
-GENERATE_CHUNK_HEX = (
+GENERATE_CHUNK_V2_HEX = (  # before ``num_tier_tokens`` was appended
     "8a" + GENERATE_CHUNK_V1_HEX[2:]
     + "a87472616e73666572" "c0"  # transfer: nil
+)
+GENERATE_CHUNK_HEX = (
+    "8b" + GENERATE_CHUNK_V2_HEX[2:]
+    + "af6e756d5f746965725f746f6b656e73" "00"  # num_tier_tokens: 0
 )
 
 HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
@@ -238,6 +242,33 @@ PULL_OVER_LINK_HEX = (
     + "a8636865636b73756d" "c2"  # checksum: false
 )
 
+TIER_LAYOUT = PULL_BLOCKS.layout
+LAYOUT_HEX = PULL_BLOCKS_V1_HEX[PULL_BLOCKS_V1_HEX.index("a66c61796f7574"):]  # layout: map of 6, as in PullBlocks
+SHARED_COPY_HEX = (
+    "84"
+    "a3706964" "07"  # pid: 7
+    "a26664" "09"  # fd: 9
+    "a46e616d65" "a16e"  # name: "n"
+    "aa6e756d5f626c6f636b73"  # num_blocks: (value follows)
+)
+TIER_PUT = wire.TierPut(keys=[b"\x01" * 16], layout=TIER_LAYOUT,
+                        copy=wire.SharedCopyRef(pid=7, fd=9, name="n", num_blocks=1))
+TIER_PUT_HEX = (
+    "84"
+    "a474797065" "a8746965725f707574"  # type: "tier_put"
+    "a46b657973" "91" "c410" + "01" * 16  # keys: [bin of 16 bytes]
+    + LAYOUT_HEX
+    + "a4636f7079" + SHARED_COPY_HEX + "01"  # copy: {pid, fd, name, num_blocks: 1}
+)
+TIER_GET_REPLY = wire.TierGetReply(arenas=[wire.SharedCopyRef(pid=7, fd=9, name="n", num_blocks=4)],
+                                   blocks=[wire.TierBlock(arena=0, offset=1024, checksum=5)])
+TIER_GET_REPLY_HEX = (
+    "83"
+    "a474797065" "ae746965725f6765745f7265706c79"  # type: "tier_get_reply"
+    "a66172656e6173" "91" + SHARED_COPY_HEX + "04"  # arenas: [{..., num_blocks: 4}]
+    "a6626c6f636b73" "91" "9300cd040005"  # blocks: [[arena 0, offset 1024, checksum 5]] (array-like)
+)
+
 GOLDEN = [
     pytest.param(GENERATE_REQUEST, GENERATE_REQUEST_HEX, id="GenerateRequest"),
     pytest.param(GENERATE_CHUNK, GENERATE_CHUNK_HEX, id="GenerateChunk"),
@@ -249,6 +280,8 @@ GOLDEN = [
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
     pytest.param(OPEN_LINK, OPEN_LINK_HEX, id="OpenLink"),
     pytest.param(PULL_OVER_LINK, PULL_OVER_LINK_HEX, id="PullOverLink"),
+    pytest.param(TIER_PUT, TIER_PUT_HEX, id="TierPut"),
+    pytest.param(TIER_GET_REPLY, TIER_GET_REPLY_HEX, id="TierGetReply"),
 ]
 
 
@@ -265,14 +298,16 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
 
 
 @pytest.mark.parametrize("old_hex, message", [(GENERATE_REQUEST_V1_HEX, GENERATE_REQUEST),
-                                              (GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
+                                              (GENERATE_CHUNK_V1_HEX, GENERATE_CHUNK),
+                                              (GENERATE_CHUNK_V2_HEX, GENERATE_CHUNK), (HEARTBEAT_V1_HEX, HEARTBEAT),
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
-                         ids=["GenerateRequest-v1", "GenerateChunk", "Heartbeat-v1", "Heartbeat-v2", "Heartbeat-v3",
+                         ids=["GenerateRequest-v1", "GenerateChunk-v1", "GenerateChunk-v2", "Heartbeat-v1",
+                              "Heartbeat-v2", "Heartbeat-v3",
                               "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1",
                               "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):

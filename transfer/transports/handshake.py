@@ -15,9 +15,6 @@ their encoding is pinned by the same golden payloads as every other message.
 
 from __future__ import annotations
 
-import os
-import socket
-
 from foundation import wire
 from foundation.wire import LinkHello, LinkSetup
 from transfer.kv_layout import check_layouts
@@ -50,17 +47,3 @@ def exchange_hellos(control: ControlChannel, local: LinkHello, deadline: float) 
         raise LinkRefused(f"both ends of the link are {local.role}s")
     check_layouts(local.layout, remote.layout, refusing="the link")
     return remote
-
-
-def host_identity() -> str:
-    """Equal for two processes on one running machine with one host name.
-
-    The boot id alone would match containers sharing a kernel but not a file system; the
-    host name alone would match two machines named alike. ipc socket files also need a
-    directory both ends see, which one host name and one boot usually mean."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            boot_id = file.read().strip()
-    except OSError:
-        boot_id = f"pid-namespace-{os.getpid()}"  # unknown boot: only this process matches
-    return f"{socket.gethostname()}/{boot_id}"

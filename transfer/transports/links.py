@@ -16,10 +16,11 @@ import torch
 import zmq
 
 from foundation.wire import KVLayoutSpec, LinkHello, LinkSetup
+from transfer.memfd import host_identity
 from transfer.transports.base import Receiver, Sender
 from transfer.transports.control import ControlChannel
 from transfer.transports.errors import LinkRefused
-from transfer.transports.handshake import RECEIVER, SENDER, exchange_hellos, host_identity, receive, send
+from transfer.transports.handshake import RECEIVER, SENDER, exchange_hellos, receive, send
 from transfer.transports.selection import backend, choose_backend, hosted_backends, runnable_backends
 from transfer.transports.settings import LinkOptions, TransportSettings
 
