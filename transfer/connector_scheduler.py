@@ -46,8 +46,8 @@ MAX_PENDING_DEMOTIONS = 4096  # ended requests whose pulled blocks wait to be de
 class ConnectorScheduler:
     """Single writer: vLLM's scheduler thread calls every method."""
 
-    def __init__(self, settings: ConnectorSettings, block_size: int, node_store: NodeStoreClient | None = None):
-        """``node_store``: the client of ``settings.node_store`` (default: made here)."""
+    def __init__(self, settings: ConnectorSettings, block_size: int, tier: TierScheduler | None = None):
+        """``tier``: the dealings with ``settings.node_store`` (default: made here)."""
         self.settings = settings
         self.block_size = block_size
         self._pending = KVRouteConnectorMetadata()
@@ -55,9 +55,10 @@ class ConnectorScheduler:
         self._pulled: dict[str, list[Any]] = {}  # consumer request → the vLLM blocks its pull fills
         self._finished_pulls: list[list[tuple[Any, Any]]] = []  # (block, its hash) of ended requests, to demote
         self._demotion_waits = False  # the last scan met a long never-cached run; no rescans until the step ends
-        if node_store is None and settings.node_store:
-            node_store = NodeStoreClient(settings.node_store, lookup_timeout=settings.node_store_lookup_seconds)
-        self._tier = TierScheduler(node_store, block_size) if node_store is not None else None
+        if tier is None and settings.node_store:
+            client = NodeStoreClient(settings.node_store, lookup_timeout=settings.node_store_lookup_seconds)
+            tier = TierScheduler(client, block_size)
+        self._tier = tier
 
     # ---------------------------------------------------------------- consumer
 
@@ -71,7 +72,7 @@ class ConnectorScheduler:
             logger.warning("request %s: malformed pull_from, computing locally", request.request_id)
             return None
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The producer's tokens beyond the local prefix hit; free of side effects on the
         request. vLLM asks this of a new request before it allocates the request's blocks,
         so ended requests' pulled blocks are demoted here first (an idle engine takes no
@@ -83,6 +84,8 @@ class ConnectorScheduler:
         source = self.pull_source(request)
         if source is None:
             count = self._tier.matched_tokens(request, num_computed_tokens) if self._tier is not None else 0
+            if count is None:
+                return None, False  # the store's answer is on the way: vLLM asks again next step
             return (count, True) if count > 0 else (0, False)
         if request.request_id in self._allocated:
             return 0, False

@@ -72,9 +72,10 @@ class ConnectorSettings:
     # The node KV store of this host (transfer.node_store), e.g. tcp://127.0.0.1:7390: new
     # blocks are written through to it and prompts load the leading blocks it holds; empty: none.
     node_store: str = ""
-    # How long the scheduler waits for the store's answer to a lookup before computing the
-    # prompt instead; a store that missed it is left alone for a few seconds.
-    node_store_lookup_seconds: float = 0.05
+    # How long a request may wait for the store's answer to its lookup before its prompt is
+    # computed instead (other requests go on meanwhile: transfer.tier_lookups); a store that
+    # missed it is left alone for a few seconds.
+    node_store_lookup_seconds: float = 0.5
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:

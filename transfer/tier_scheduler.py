@@ -2,9 +2,9 @@
 
 Per request without a pull source::
 
-    get_num_new_matched_tokens ── TierLookup of the prompt's blocks beyond the local hit
-        (one short round trip, at most LOOKUP_TIMEOUT; a store that missed one is left
-        alone for a while) ──▶ the leading blocks the store holds, as external tokens
+    get_num_new_matched_tokens ── TierLookup of the prompt's blocks beyond the local hit,
+        on a thread of its own (``transfer.tier_lookups``): "not yet" until the store
+        answers, then the leading blocks it holds, as external tokens
     update_state_after_alloc ──▶ TierLoad: those blocks, into the cache blocks vLLM allocated
         (the worker half reads them; a failed or refused read is a failed load: recomputed)
     request_finished ──▶ TierSave: the request's full blocks it computed itself (beyond its
@@ -16,7 +16,8 @@ admitted, so the connector writes each block roughly once without asking the sto
 the store skips any it already holds. Blocks are named by kvroute's namespaced chain
 hashes (``foundation.identity``): the hash covers the cache salt, so tenants never share.
 
-Single writer: vLLM's scheduler thread calls every method. No I/O but the lookup.
+Single writer: vLLM's scheduler thread calls every method. No I/O: lookups run on their
+own thread, loads and saves in the worker half.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from typing import Any
 from foundation import identity
 from foundation.lru import LruDict
 from transfer.metadata import TierLoad, TierSave
-from transfer.node_store.client import NodeStoreClient
-
-REMEMBERED_LOOKUPS = 4096  # requests asked about but not yet admitted; vLLM may ask again
+from transfer.tier_lookups import REMEMBERED_LOOKUPS, Executor, LookupClient, TierLookups
 
 
 @dataclass
@@ -45,10 +44,11 @@ def block_keys(token_ids: list[int], block_size: int, cache_salt: str | None) ->
 
 
 class TierScheduler:
-    def __init__(self, client: NodeStoreClient, block_size: int):
+    def __init__(self, client: LookupClient, block_size: int, executor: Executor | None = None):
+        """``executor``: where lookups run (default: a thread of their own)."""
         self.client = client
         self.block_size = block_size
-        self._lookups: LruDict[str, tuple[int, int]] = LruDict(REMEMBERED_LOOKUPS)  # id → (computed, tokens)
+        self._lookups = TierLookups(client, executor)
         # id → blocks of its local hit, as vLLM last asked about it. (At allocation the blocks
         # tell no more: vLLM hashes the blocks a step will fill when it allocates them.)
         self._local_hits: LruDict[str, int] = LruDict(REMEMBERED_LOOKUPS)
@@ -59,25 +59,21 @@ class TierScheduler:
         before it allocates: that is the request's hit in the engine's own cache."""
         self._local_hits[request.request_id] = num_computed_tokens // self.block_size
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Prompt tokens the store holds beyond ``num_computed_tokens`` (block-aligned), in
-        whole blocks, leaving the last prompt token to compute."""
+        whole blocks, leaving the last prompt token to compute; None until the store answers."""
         loadable_blocks = (len(request.prompt_token_ids) - 1) // self.block_size
         first = num_computed_tokens // self.block_size
-        if loadable_blocks <= first or not self.client.available:
+        if loadable_blocks <= first:
             return 0
-        asked = self._lookups.get(request.request_id)
-        if asked is not None and asked[0] == num_computed_tokens:
-            return asked[1]
         keys = self._keys(request, request.prompt_token_ids)[first:loadable_blocks]
-        tokens = self.client.leading(keys) * self.block_size
-        self._lookups[request.request_id] = (num_computed_tokens, tokens)
-        return tokens
+        blocks = self._lookups.leading(request.request_id, first, keys)
+        return None if blocks is None else min(blocks, len(keys)) * self.block_size
 
     def admitted(self, request: Any, num_external_tokens: int) -> None:
         """A request allocated without a tier load, whose ``num_external_tokens`` (if any)
         come from a pull; its first admission counts."""
-        self._lookups.pop(request.request_id, None)
+        self._lookups.forget(request.request_id)
         local = self._local_hits.pop(request.request_id, 0)
         first_new = (local * self.block_size + num_external_tokens) // self.block_size
         self._admitted.setdefault(request.request_id, _Admitted(first_new, local_blocks=local))
@@ -85,7 +81,7 @@ class TierScheduler:
     def plan_load(self, request: Any, group: list[Any], num_external_tokens: int) -> TierLoad:
         """The tier's blocks into vLLM's blocks after the local hit (``group``: all of the
         request's blocks)."""
-        self._lookups.pop(request.request_id, None)
+        self._lookups.forget(request.request_id)
         num_local_blocks = self._local_hits.pop(request.request_id, 0)
         blocks = group[num_local_blocks:]
         count = num_external_tokens // self.block_size
@@ -102,7 +98,7 @@ class TierScheduler:
 
     def finished(self, request: Any, block_ids: list[int]) -> tuple[TierSave | None, int]:
         """(the blocks to write through, the prompt tokens its tier load brought)."""
-        self._lookups.pop(request.request_id, None)
+        self._lookups.forget(request.request_id)
         self._local_hits.pop(request.request_id, None)
         admitted = self._admitted.pop(request.request_id, None)
         first = admitted.first_new_block if admitted is not None else 0

@@ -5,6 +5,8 @@ in the output, and a failed load that counts as none."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from vllm.v1.request import RequestStatus
 
 from foundation import identity
@@ -20,6 +22,7 @@ from transfer.connector_scheduler import ConnectorScheduler
 from transfer.metadata import TierLoad, TierSave
 from transfer.request_params import PARAMS_KEY
 from transfer.settings import ConnectorSettings
+from transfer.tier_scheduler import TierScheduler
 
 SALT = "tenant-a"
 KEYS = [h.to_bytes(16, "little") for h in identity.block_hashes(PROMPT, BLOCK_SIZE, SALT)]  # 5 full blocks
@@ -43,8 +46,19 @@ class FakeStore:
         return count
 
 
+class InlineExecutor:
+    """Runs each lookup as it is submitted: the answer is in at the first ask
+    (tests/unit/test_tier_lookups.py covers the answer on the way)."""
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args))
+        return future
+
+
 def scheduler_with(store: FakeStore) -> ConnectorScheduler:
-    return ConnectorScheduler(ConnectorSettings(transfer_address="tcp://127.0.0.1:1"), BLOCK_SIZE, node_store=store)
+    return ConnectorScheduler(ConnectorSettings(transfer_address="tcp://127.0.0.1:1"), BLOCK_SIZE,
+                              tier=TierScheduler(store, BLOCK_SIZE, InlineExecutor()))
 
 
 def finished(request, num_computed_tokens: int):
@@ -144,3 +158,18 @@ def test_pulled_blocks_are_not_written_through_and_the_store_is_not_asked():
     scheduler.update_state_after_alloc(request, make_blocks(1, [40, 41, 42, 43, 44, 45]), count)
     scheduler.request_finished(finished(request, 21), [40, 41, 42, 43, 44, 45])
     assert scheduler.build_connector_meta().tier_saves == []  # block 0 was local, 1-4 pulled
+
+
+def test_vllm_is_told_not_yet_while_the_stores_answer_is_on_the_way():
+    answers = concurrent.futures.Future()
+
+    class PendingExecutor:
+        def submit(self, fn, *args) -> concurrent.futures.Future:
+            return answers
+
+    scheduler = ConnectorScheduler(ConnectorSettings(transfer_address="tcp://127.0.0.1:1"), BLOCK_SIZE,
+                                   tier=TierScheduler(FakeStore(held=KEYS), BLOCK_SIZE, PendingExecutor()))
+    request = make_request(cache_salt=SALT)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    answers.set_result(9)  # more than the lookup asked about: capped at its 5 loadable blocks
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (20, True)
