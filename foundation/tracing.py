@@ -53,8 +53,9 @@ _tracer: trace.Tracer | None = None
 _NOT_RECORDING = contextlib.nullcontext(NO_SPAN)  # reusable: the whole cost of ``span`` while off
 
 
-class TracingUnavailable(RuntimeError):
-    """Tracing was asked for, but the SDK or an exporter is not installed."""
+class TracingUnavailable(ValueError):
+    """Tracing was asked for, but the SDK or an exporter is not installed: a settings error,
+    which the command line reports in one line (``kvroute.cli.main``)."""
 
 
 def check(endpoint: str, protocol: str) -> None:

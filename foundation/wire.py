@@ -208,6 +208,11 @@ class WorkerStats(_Message, tag="worker_stats"):
     num_active_requests: int = 0
     request_id: str = ""
     transfer_fresh: bool = True  # False: the transfer endpoint was slow; counters are the last seen
+    # The worker's node store: its address ("" for none), its counters when it answered in
+    # time, else why not.
+    node_store_address: str = ""
+    node_store: TierCounters | None = None
+    node_store_error: str = ""
 
 
 ROLES = ("prefill", "decode", "unified")  # a worker's role, as heartbeats and settings spell it
@@ -292,6 +297,10 @@ class ResetCacheReply(_Message, tag="reset_cache_reply"):
     request_id: str
     reset: bool
     released_leases: int = 0
+    # The worker's node store (transfer.node_store), emptied too: the blocks it dropped, or
+    # why it could not be reached; both empty for a worker without one.
+    store_blocks_dropped: int = 0
+    store_error: str = ""
 
 
 class RegisterReply(_Message, tag="register_reply"):
@@ -501,6 +510,8 @@ class TierCounters(msgspec.Struct, forbid_unknown_fields=False):
     promotions: int = 0
     dropped: int = 0  # evicted from the last tier
     corrupt_blocks: int = 0  # failed their checksum on the way back from disk
+    lookup_blocks: int = 0  # blocks asked about by lookups: lookup_hits / lookup_blocks is the hit rate
+    resets: int = 0  # emptied by TierReset (an operator's reset-cache)
 
 
 class TierStatsRequest(_Message, tag="tier_stats"):
@@ -510,6 +521,14 @@ class TierStatsRequest(_Message, tag="tier_stats"):
 class TierStatsReply(_Message, tag="tier_stats_reply"):
     counters: TierCounters
     layout: KVLayoutSpec | None = None
+
+
+class TierReset(_Message, tag="tier_reset"):
+    """Drop every block the store holds, in every tier."""
+
+
+class TierResetReply(_Message, tag="tier_reset_reply"):
+    blocks_dropped: int = 0
 
 
 Message = (
@@ -546,6 +565,8 @@ Message = (
     | TierGetReply
     | TierStatsRequest
     | TierStatsReply
+    | TierReset
+    | TierResetReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

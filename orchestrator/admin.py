@@ -49,8 +49,8 @@ def _why_unavailable(fleet: Fleet, worker_id: str, breaker: BreakerState | None)
 
 
 async def reset_all_caches(fleet: Fleet, index_sync: IndexSync, roles: tuple[str, ...] = ROLES) -> list[dict]:
-    """Release every held lease, empty the prefix cache of every worker in ``roles``, then
-    reload the index.
+    """Release every held lease, empty the prefix cache of every worker in ``roles`` and the
+    node store each uses, then reload the index.
 
     For fair side-by-side policy experiments on one running cluster: each run starts cold.
     Resetting the decode workers alone keeps the prefill workers' prefixes, so that moving
@@ -71,4 +71,7 @@ async def _reset(fleet: Fleet, worker_id: str) -> dict:
         reply = await client.reset_cache()
     except WorkerError as error:
         return {"worker_id": worker_id, "reset": False, "error": str(error)}
-    return {"worker_id": worker_id, "reset": reply.reset, "released_leases": reply.released_leases}
+    result = {"worker_id": worker_id, "reset": reply.reset, "released_leases": reply.released_leases}
+    if reply.store_blocks_dropped or reply.store_error:  # its node store, emptied with it (or not reached)
+        result |= {"store_blocks_dropped": reply.store_blocks_dropped, "store_error": reply.store_error}
+    return result

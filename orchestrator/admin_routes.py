@@ -23,6 +23,7 @@ from orchestrator.api import DECISIONS_LIMIT, ApiContext, json_response
 from orchestrator.auth import require_admin
 from orchestrator.cross_site import check_not_cross_site
 from orchestrator.errors import APIError
+from orchestrator.node_stores import describe_stores
 from orchestrator.status_page import status_page_router
 
 
@@ -42,6 +43,12 @@ def admin_routers(context: ApiContext) -> list[APIRouter]:
         body = {"workers": describe_workers(service.fleet, service.index, model.prefill_speed)}
         topology = getattr(request.app.state, "topology", None)
         return body if topology is None else {**body, "topology": topology}
+
+    @admin.get("/stores")
+    async def stores():
+        """The node KV stores behind the workers: capacity and use per tier, hit rate,
+        evictions (``orchestrator.node_stores``)."""
+        return {"stores": await describe_stores(service.fleet)}
 
     @admin.get("/status")
     async def status(decisions: int = Query(20, ge=0, le=DECISIONS_LIMIT)):

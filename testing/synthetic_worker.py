@@ -53,6 +53,7 @@ from foundation.netutil import flush_async_context
 from transfer.request_params import PARAMS_KEY, prompt_digest
 from worker.drain import Drain, StopSignals, serve_until_stopped
 from worker.heartbeat import HeartbeatSender, heartbeat_of
+from worker.node_store_link import NodeStoreLink
 from worker.queued_prefill import head_prompt_age, queued_prefill
 from worker.resident import ResidentBlocks
 from worker.rpc_server import RpcServer
@@ -174,6 +175,9 @@ class SyntheticWorker:
         self.settings = settings.with_ports()
         self.engine = SyntheticEngine(timing, self.settings.transfer_address)
         self.fingerprint = model_fingerprint(self.settings.model)
+        # A real node store, which this worker reports and resets as a real worker does (its
+        # synthetic engine neither reads nor writes blocks there).
+        self.node_store = NodeStoreLink(self.settings.node_store) if self.settings.node_store else None
         self.resident = ResidentBlocks()
         self.ready_file = ready_file
         self.server: RpcServer | None = None
@@ -202,10 +206,12 @@ class SyntheticWorker:
         return wire.WorkerStats(worker_id=s.worker_id, role=s.role, incarnation=s.incarnation, load=self.load(),
                                 transfer=wire.TransferCounters(),
                                 prompt_tokens=wire.PromptTokenCounters(),
-                                num_active_requests=self.server.num_active_requests if self.server else 0)
+                                num_active_requests=self.server.num_active_requests if self.server else 0,
+                                **(await self.node_store.stats_fields() if self.node_store is not None else {}))
 
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
-        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=0)
+        store = await self.node_store.reset_fields() if self.node_store is not None else {}
+        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=0, **store)
 
     async def transfer_of(self, request_id: str) -> wire.PullRecord | None:
         return self.engine.pulls.pop(request_id, None)
@@ -244,6 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default: %(default)s, ignore pull sources)")
     parser.add_argument("--ready-file", type=Path, default=None, help="written with the RPC address once serving")
     parser.add_argument("--status-file", default="", help="health for `kvroute probe worker`, as a real worker's")
+    parser.add_argument("--node-store", default="", help="a node store this worker reports and resets")
     zmq_auth.add_security_arguments(parser)
     tracing.add_tracing_arguments(parser)
     return parser.parse_args(argv)
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),
                               worker_id=args.worker_id, drain_seconds=args.drain_seconds,
                               status_file=args.status_file, otlp_endpoint=args.otlp_endpoint,
-                              otlp_protocol=args.otlp_protocol).with_ports()
+                              otlp_protocol=args.otlp_protocol, node_store=args.node_store).with_ports()
     settings.configure_tracing()
     timing = SyntheticTiming(args.prefill_seconds_per_token, args.token_seconds, args.pull_bytes_per_second)
     try:

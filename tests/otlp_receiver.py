@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -92,6 +93,17 @@ class OtlpReceiver:
             assert time.monotonic() < deadline, f"condition not met in {timeout} s; got {[s.name for s in spans]}"
             time.sleep(0.1)
         return spans
+
+
+def trace_of(spans: list[ReceivedSpan], response_id: str) -> dict[tuple[str, str], ReceivedSpan]:
+    """The spans of the trace whose API span answered ``response_id``, by (service, span name)."""
+    traces = defaultdict(list)
+    for span in spans:
+        traces[span.trace_id].append(span)
+    for trace in traces.values():
+        if any(span.attributes.get("gen_ai.response.id") == response_id for span in trace):
+            return {(span.service, span.name): span for span in trace}
+    return {}
 
 
 def _handler(receiver: OtlpReceiver) -> type[BaseHTTPRequestHandler]:

@@ -30,6 +30,7 @@ from worker.engine import KV_EVENTS_TOPIC, reset_prefix_cache, start_engine
 from worker.engine_stats import EngineStats
 from worker.event_relay import EventRelay
 from worker.heartbeat import HeartbeatSender, heartbeat_of
+from worker.node_store_link import NodeStoreLink
 from worker.prefill_probe import probe_prefill
 from worker.queued_prefill import head_prompt_age, queued_prefill
 from worker.resident import ResidentBlocks, follow
@@ -57,6 +58,7 @@ class Worker:
         self.prefill_probe: wire.PrefillProbe | None = None
         self.cores = core_binding(self.settings.omp_threads_bind)
         self._last_transfer = wire.TransferCounters()
+        self.node_store = NodeStoreLink(self.settings.node_store) if self.settings.node_store else None
 
     async def run(self) -> None:
         signals = StopSignals()
@@ -155,13 +157,15 @@ class Worker:
                                        self.settings.transfer_address, reason)
 
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
-        """Release leases, then reset the prefix cache once vLLM has freed their blocks."""
+        """Release leases, then reset the prefix cache once vLLM has freed their blocks; the
+        node store, if any, is emptied too."""
         released = await self.release_leases("reset")
+        store = await self.node_store.reset_fields() if self.node_store is not None else {}
         if not await reset_prefix_cache(self.engine, RESET_ATTEMPTS):
-            return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released)
+            return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released, **store)
         self.resident.clear()
         logger.info("prefix cache reset (%d leases released)", released)
-        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released)
+        return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=released, **store)
 
     async def worker_stats(self) -> wire.WorkerStats:
         """Load and counters; if the (busy) transfer endpoint is slow, its last known counters."""
@@ -175,7 +179,8 @@ class Worker:
         return wire.WorkerStats(worker_id=self.settings.worker_id, role=self.settings.role,
                                 incarnation=self.settings.incarnation, load=self.load(),
                                 transfer=transfer, transfer_fresh=fresh, prompt_tokens=self.stats.prompt_tokens(),
-                                num_active_requests=self.server.num_active_requests if self.server else 0)
+                                num_active_requests=self.server.num_active_requests if self.server else 0,
+                                **(await self.node_store.stats_fields() if self.node_store is not None else {}))
 
     def _announce(self) -> None:
         info = {"worker_id": self.settings.worker_id, "role": self.settings.role,

@@ -112,6 +112,30 @@ def test_lookups_count_the_held_run_from_the_first_block(serve, caches):
     assert [client.leading(keys(*run)) for run in ([1, 2, 3, 4], [2], [3, 4], [])] == [2, 1, 0, 0]
 
 
+def test_lookups_count_blocks_asked_and_found(serve, caches):
+    writer, _ = caches
+    _, client = serve(settings_for(writer, host_blocks=8))
+    put(client, writer, keys(1, 2), [0, 1])
+    client.leading(keys(1, 2, 3))
+    client.leading(keys(5))
+    counters = client.stats().counters
+    assert (counters.lookups, counters.lookup_blocks, counters.lookup_hits) == (2, 4, 2)
+
+
+def test_a_reset_empties_every_tier_and_the_store_fills_again(serve, caches, tmp_path):
+    writer, reader = caches
+    _, client = serve(settings_for(writer, host_blocks=2, disk_blocks=4, disk_dir=tmp_path))
+    put(client, writer, keys(1, 2, 3), [0, 1, 2])  # 1 on disk, 2 and 3 in host memory
+    assert client.reset() == wire.TierResetReply(blocks_dropped=3)
+    assert client.leading(keys(1)) == client.leading(keys(3)) == 0
+    assert not list((tmp_path / "kvroute-node-store").glob("*.blk")), "a reset leaves no block on disk"
+    counters = client.stats().counters
+    assert (counters.host_blocks, counters.disk_blocks, counters.resets) == (0, 0, 1)
+    put(client, writer, keys(3), [2])
+    assert load(client, reader, keys(3), [0]) == writer.spec.bytes_per_block
+    assert_same_blocks(writer, [2], reader, [0])
+
+
 def test_without_a_disk_tier_the_least_recently_used_blocks_go(serve, caches):
     writer, _ = caches
     _, client = serve(settings_for(writer, host_blocks=2))

@@ -4,7 +4,9 @@ A request whose long prefix is already resident goes where it is resident, repor
 ``cached_tokens > 0``, and its decision record says why; the same prompt from another
 tenant matches nothing, and is as slow as a cold prompt (no timing side channel), while
 the tenant's own repeat is fast. Neither API keys nor prompt text reach the logs of the
-orchestrator or the workers at the default log level.
+orchestrator or the workers at the default log level. The stack exports its traces to a local
+OTLP receiver: one disaggregated request leaves one trace across the orchestrator and both
+real engines, their KV pull included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 from foundation.model_prep import default_cache_dir, resolve_model
 from orchestrator.tokenization import TextCodec
 from testing.stack import Stack
+from tests.otlp_receiver import running_otlp_receiver, trace_of
 
 MODEL = "SmolLM2-135M-Instruct"
 AUDIT_KEY = "sk-audit-Qx7Lm2Vz9Rt"  # distinctive, so that finding it in a log means it leaked
@@ -33,19 +36,27 @@ SHARED = "You are the assistant of the kvroute repository. Repository map follow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def traced(tmp_path_factory):
+    """The stack, and the receiver of its traces (spans batched for 0.1 s rather than 5)."""
     folder = tmp_path_factory.mktemp("placement")
     keys = folder / "keys.json"
     keys.write_text(json.dumps({"keys": KEYS}))
-    stack = Stack(default_cache_dir(), folder / "serve.log",
-                  ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
-                   "--topology", "2p1d", "--api-keys", str(keys),
-                   "--allow-policy-override", "--log-dir", str(folder / "workers")])
-    try:
-        stack.wait_healthy(900)
-        yield stack
-    finally:
-        stack.stop()
+    with pytest.MonkeyPatch.context() as env, running_otlp_receiver() as receiver:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the SDK's own setting, read by every process started
+        stack = Stack(default_cache_dir(), folder / "serve.log",
+                      ["--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "4096",
+                       "--topology", "2p1d", "--api-keys", str(keys), "--otlp-endpoint", receiver.url,
+                       "--allow-policy-override", "--log-dir", str(folder / "workers")])
+        try:
+            stack.wait_healthy(900)
+            yield stack, receiver
+        finally:
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(traced):
+    return traced[0]
 
 
 def ask(stack: Stack, key: str, question: str, policy: str | None = None) -> dict:
@@ -111,6 +122,30 @@ def test_policy_override_header(stack):
                                                                   "X-KVRoute-Policy": "fastest"},
                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-KVRoute-Policy"
+
+
+def test_one_trace_follows_a_disaggregated_request_through_both_engines(traced):
+    stack, receiver = traced
+    reply = ask(stack, "sk-tenant-a", "Which module defines Component41?", policy="least_loaded")
+    chosen = decision(stack, "sk-tenant-a", reply["id"])["chosen"]
+    assert chosen["kind"] == "disagg"
+    wanted = {("kvroute-orchestrator", f"chat {MODEL}"), ("kvroute-orchestrator", "kvroute.placement"),
+              ("kvroute-prefill-worker", "kvroute.prefill"), ("kvroute-decode-worker", "kvroute.decode"),
+              ("kvroute-decode-worker", "kvroute.kv_pull")}
+    trace = trace_of(receiver.wait_for(lambda spans: wanted <= set(trace_of(spans, reply["id"])), 30), reply["id"])
+    api = trace["kvroute-orchestrator", f"chat {MODEL}"]
+    prefill = trace["kvroute-prefill-worker", "kvroute.prefill"]
+    decode = trace["kvroute-decode-worker", "kvroute.decode"]
+    pull = trace["kvroute-decode-worker", "kvroute.kv_pull"]
+    placement = trace["kvroute-orchestrator", "kvroute.placement"]
+    assert prefill.parent_span_id == decode.parent_span_id == placement.parent_span_id == api.span_id
+    assert (prefill.resource["service.instance.id"], decode.resource["service.instance.id"]) == (
+        chosen["prefill_worker"], chosen["decode_worker"])
+    assert api.attributes["gen_ai.usage.input_tokens"] == reply["usage"]["prompt_tokens"]
+    # The real connector's pull: what it moved and how long it took, inside the decode that made it.
+    assert pull.parent_span_id == decode.span_id and pull.attributes["kvroute.transfer.ok"] is True
+    assert pull.attributes["kvroute.transfer.bytes"] > 0 and pull.attributes["kvroute.transfer.seconds"] > 0
+    assert decode.start_ns <= pull.start_ns < pull.end_ns <= decode.end_ns
 
 
 # ---------------------------------------------------------------- tenant timing

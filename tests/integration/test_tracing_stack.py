@@ -8,7 +8,6 @@ GenAI and kvroute attributes; a client's own ``traceparent`` must carry through 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from foundation.model_prep import resolve_model
 from testing.stack import running_synthetic_stack
 from testing.synthetic_worker import BLOCK_SIZE, BYTES_PER_BLOCK
-from tests.otlp_receiver import ReceivedSpan, running_otlp_receiver
+from tests.otlp_receiver import ReceivedSpan, running_otlp_receiver, trace_of
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name: its folder's
 PROMPT = "Explain how a prefix cache saves work for requests that share a system prompt. " * 20
@@ -53,17 +52,6 @@ def complete(stack, headers: dict | None = None, stream: bool = False) -> dict:
     events = [json.loads(line[6:]) for line in response.text.splitlines()
               if line.startswith("data: {")]
     return {"id": events[0]["id"], "usage": events[-1]["usage"]}
-
-
-def trace_of(spans: list[ReceivedSpan], response_id: str) -> dict[tuple[str, str], ReceivedSpan]:
-    """The spans of the trace whose API span answered ``response_id``, by (service, span name)."""
-    traces = defaultdict(list)
-    for span in spans:
-        traces[span.trace_id].append(span)
-    for trace in traces.values():
-        if any(span.attributes.get("gen_ai.response.id") == response_id for span in trace):
-            return {(span.service, span.name): span for span in trace}
-    return {}
 
 
 def complete_trace(spans: list[ReceivedSpan], response_id: str, api_name: str) -> bool:

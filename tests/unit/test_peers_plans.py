@@ -74,6 +74,16 @@ def test_kvroute_gets_its_topology_and_the_total_budget():
     assert argv[-2:] == ["--policy", "x"] and plan.kvroute_api and plan.reset == plans.RESET_KVROUTE
 
 
+def test_kvroute_tier_adds_a_node_store_of_a_multiple_of_the_budget():
+    plan = plans.kvroute_plan(RES, plans.PeerOptions(kvroute_topology="2p1d", tier_kv_multiple=8), ports(),
+                              Path("/logs"), tier=True)
+    argv = list(plan.launches[0].argv)
+    assert (plan.system, flag(argv, "--total-kv-gib"), flag(argv, "--host-kv-gib")) == ("kvroute-tier", "0.75", "6")
+    assert flag(argv, "--log-dir") == "/logs/kvroute-tier-workers" and plan.settings["host_kv_gib"] == 6
+    assert "--host-kv-gib" not in plans.kvroute_plan(RES, plans.PeerOptions(), ports(), Path("/logs")).launches[0].argv
+    assert plans.KVROUTE_TIER in plans.SYSTEMS and plans.KVROUTE_TIER not in plans.DEFAULT_SYSTEMS
+
+
 def test_router_pd_says_why_it_is_skipped():
     assert "P/D" in plans.pd_skip_reason() or "NIXL" in plans.pd_skip_reason()
 
@@ -104,6 +114,9 @@ def test_the_trace_is_retimed_to_the_rate():
     items, source = sources.items("trace", 0.5, sources.SourceSettings(requests=10, trace=DEFAULT_TRACE))
     assert len(items) == 10 and items[0].arrival_seconds == 0 and items[-1].arrival_seconds == pytest.approx(18)
     assert all(item.endpoint == "/v1/completions" for item in items) and source["replayed"] == 10
+    _, longer = sources.items("trace", 0.5, sources.SourceSettings(requests=60, trace=DEFAULT_TRACE))
+    assert source["unlimited_cache_hit_rate"] <= longer["unlimited_cache_hit_rate"] < 1
+    assert longer["unlimited_cache_hit_rate"] > 0.1, "60 requests of the sample share prefixes"
 
 
 def test_requests_that_arrived_at_once_are_spread_evenly():

@@ -76,6 +76,13 @@ def test_kvroute_winning_is_compared_with_the_best_peer():
     assert comparison["verdict"] == "hit rate: kvroute wins (80.0%); 1.33x the best peer, router-cache_aware (60.0%)"
 
 
+def test_kvroute_with_its_tier_is_compared_with_kvroute_and_is_no_peer():
+    comparison = report.compare({"kvroute": 0.6, "kvroute-tier": 0.3, "vllm": 0.5}, report.RUN_METRICS[0])
+    assert comparison["winners"] == ["kvroute-tier"] and comparison["best_peer"] == "vllm"
+    assert comparison["tier_over_kvroute"] == pytest.approx(0.5)
+    assert comparison["kvroute_over_best_peer"] == pytest.approx(1.2)
+
+
 def test_goodput_verdicts_without_a_passing_rate():
     comparison = report.compare({"kvroute": None, "vllm": 0.5}, report.GOODPUT)
     assert comparison["verdict"] == "goodput: vllm wins (0.5 req/s); kvroute -"

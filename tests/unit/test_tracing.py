@@ -3,6 +3,8 @@ settings checks, and the path taken while tracing is off (nothing recorded, noth
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -163,3 +165,17 @@ def test_a_dropped_trace_stays_dropped_in_the_process_it_travels_to(monkeypatch)
         assert exporter.get_finished_spans() == ()
     finally:
         tracing.shutdown()
+
+
+
+@pytest.mark.parametrize("protocol, missing", [("http", "opentelemetry.sdk.trace"),
+                                               ("grpc", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")])
+def test_an_endpoint_without_the_tracing_extra_is_a_one_line_settings_error(monkeypatch, capsys, protocol, missing):
+    from kvroute.cli import main
+
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit) as exited:
+        main(["orchestrator", "--otlp-endpoint", "http://127.0.0.1:4318", "--otlp-protocol", protocol])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and not tracing.enabled()
+    assert "pip install 'kvroute[tracing]'" in error and "Traceback" not in error and len(error.splitlines()) == 1

@@ -75,8 +75,12 @@ class NodeStoreClient:
         """Where the blocks lie, and the frames that carry them when the store cannot share its memory."""
         return self._exchange(wire.TierGet(keys=keys, layout=layout, host=host), wire.TierGetReply, frames=len(keys))
 
-    def stats(self) -> wire.TierStatsReply:
-        return self._exchange(wire.TierStatsRequest(), wire.TierStatsReply)[0]
+    def stats(self, timeout: float | None = None) -> wire.TierStatsReply:
+        return self._exchange(wire.TierStatsRequest(), wire.TierStatsReply, timeout)[0]
+
+    def reset(self) -> wire.TierResetReply:
+        """Drop every block the store holds."""
+        return self._exchange(wire.TierReset(), wire.TierResetReply)[0]
 
     def close(self) -> None:
         self._channels.close()

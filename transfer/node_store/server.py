@@ -6,6 +6,7 @@ Protocol (client: a DEALER; ``foundation.wire``)::
     TierPut [+ one frame of the blocks] ──▶ TierPutReply
     TierGet ──▶ TierGetReply [+ one frame per block, for a reader on another host]
     TierStatsRequest ──▶ TierStatsReply
+    TierReset ──▶ TierResetReply (every block dropped: an operator's reset-cache)
     anything refused or malformed ──▶ ErrorReply, and the server stays up
 
 It listens under the cluster's keys like a worker's transfer endpoint (the worker role's
@@ -93,6 +94,8 @@ class NodeStoreServer:
             return store.get(message)
         if isinstance(message, wire.TierStatsRequest):
             return store.stats(), []
+        if isinstance(message, wire.TierReset):
+            return store.reset(), []
         raise RequestRefused(f"unexpected message {type(message).__name__} at a node store", code="bad_request")
 
 

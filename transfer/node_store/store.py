@@ -71,6 +71,7 @@ class NodeStore:
         keys = checked_keys(request.keys)
         found = self.index.leading(keys) if self.index is not None else 0
         self.counters.lookups += 1
+        self.counters.lookup_blocks += len(keys)
         self.counters.lookup_hits += found
         return wire.TierLookupReply(num_leading=found)
 
@@ -111,6 +112,18 @@ class NodeStore:
             counters.host_blocks = self.index.num_blocks(Tier.HOST)
             counters.disk_blocks = self.index.num_blocks(Tier.DISK)
         return wire.TierStatsReply(counters=counters, layout=self.layout)
+
+    def reset(self) -> wire.TierResetReply:
+        """Drop every block in every tier; the layout and the arenas stay. A reader still
+        copying a dropped block's slot finds its checksum changed once the slot is reused,
+        and refuses it."""
+        drops = self.index.clear() if self.index is not None else []
+        for drop in drops:
+            if drop.tier is Tier.DISK:
+                self.disk.remove(drop.slot)
+        self.counters.resets += 1
+        logger.info("reset: %d blocks dropped", len(drops))
+        return wire.TierResetReply(blocks_dropped=len(drops))
 
     def close(self) -> None:
         if self.arenas is not None:

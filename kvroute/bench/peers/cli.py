@@ -30,16 +30,15 @@ from pathlib import Path
 
 from kvroute.bench.command import Command
 from kvroute.bench.paths import DEFAULT_TRACE
-from kvroute.bench.peers.plans import ROUTER_PD, ROUTER_POLICIES, SYSTEMS
+from kvroute.bench.peers.plans import DEFAULT_SYSTEMS, ROUTER_PD, ROUTER_POLICIES, SYSTEMS
 from kvroute.bench.peers.sources import WORKLOADS
 from kvroute.topology import cpu_list
-
-DEFAULT_SYSTEMS = ",".join(SYSTEMS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--systems", default=DEFAULT_SYSTEMS, help="comma-separated systems, run in this order (default: %(default)s)")
+    add("--systems", default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated systems, run in this order, of {', '.join(SYSTEMS)} (default: %(default)s)")
     add("--workloads", default="repository-assistant",
         help=f"comma-separated workloads: {', '.join(WORKLOADS)} (default: %(default)s)")
     add("--rates", default="0.25,0.5,1", help="comma-separated request rates (req/s) swept per workload "
@@ -59,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kvroute-args", default="", help="more flags for kvroute serve, one shell-quoted string")
     add("--vllm-args", default="", help="more flags for every vLLM server of the vllm and router peers")
     add("--router-args", default="", help="more flags for vllm-router")
+    add("--tier-kv-multiple", type=float, default=8.0, help="kvroute-tier's node store: host memory in "
+                                                            "multiples of --total-kv-gib (default: %(default)s)")
     add("--router-servers", type=int, default=2, help="vLLM servers behind vllm-router (default: %(default)s)")
     add("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace of the trace workload (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of every workload (default: %(default)s)")
@@ -84,8 +85,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--rates must be numbers, got {args.rates!r}")
     if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.router_servers < 1:
         parser.error("--rates must be positive, --requests and --router-servers at least 1")
-    if args.total_kv_gib <= 0 or args.ttft_target <= 0 or args.tpot_target <= 0:
-        parser.error("--total-kv-gib and the targets must be positive")
+    if args.total_kv_gib <= 0 or args.ttft_target <= 0 or args.tpot_target <= 0 or args.tier_kv_multiple <= 0:
+        parser.error("--total-kv-gib, --tier-kv-multiple and the targets must be positive")
     if "trace" in args.workloads and not args.trace.exists():
         parser.error(f"the trace workload needs --trace; {args.trace} does not exist")
 
@@ -99,11 +100,11 @@ def build_systems(args: argparse.Namespace, resources, log_dir: Path, say) -> li
 
     options = plans.PeerOptions(args.kvroute_topology, tuple(shlex.split(args.kvroute_args)),
                                 tuple(shlex.split(args.vllm_args)), args.router_servers,
-                                tuple(shlex.split(args.router_args)))
+                                tuple(shlex.split(args.router_args)), tier_kv_multiple=args.tier_kv_multiple)
     built: list = []
     for name in args.systems:
-        if name == plans.KVROUTE:
-            built.append(plans.kvroute_plan(resources, options, free_port, log_dir))
+        if name in (plans.KVROUTE, plans.KVROUTE_TIER):
+            built.append(plans.kvroute_plan(resources, options, free_port, log_dir, tier=name == plans.KVROUTE_TIER))
         elif name == plans.VLLM:
             built.append(plans.vllm_plan(resources, options, free_port))
         elif name == ROUTER_PD:

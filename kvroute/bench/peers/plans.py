@@ -4,6 +4,8 @@ Pure: ports come from the ``port`` callable and nothing is started here (``syste
 that), so every command line can be checked in a unit test. The peers:
 
 * ``kvroute``: ``python -m kvroute serve --topology T --total-kv-gib X`` plus ``--kvroute-args``;
+* ``kvroute-tier``: the same with a node KV store of ``--tier-kv-multiple`` (8) times X of host
+  memory behind its engines (``serve --host-kv-gib``);
 * ``vllm``: one vLLM OpenAI server on every core with the whole KV budget;
 * ``router-<policy>``: N vLLM servers, each on its own core(s) with 1/N of the budget, behind
   vllm-router with that policy; ``kv_aware`` also feeds the router every server's KV events
@@ -28,9 +30,11 @@ from pathlib import Path
 from kvroute.bench.peers.resources import Resources
 from kvroute.topology import cpu_list, split_cores
 
-KVROUTE, VLLM, ROUTER_PD = "kvroute", "vllm", "router-pd"
+KVROUTE, KVROUTE_TIER, VLLM, ROUTER_PD = "kvroute", "kvroute-tier", "vllm", "router-pd"
 ROUTER_POLICIES = ("cache_aware", "kv_aware")
-SYSTEMS = (KVROUTE, VLLM, *(f"router-{policy}" for policy in ROUTER_POLICIES), ROUTER_PD)
+SYSTEMS = (KVROUTE, KVROUTE_TIER, VLLM, *(f"router-{policy}" for policy in ROUTER_POLICIES), ROUTER_PD)
+# kvroute-tier explains (what the node KV tier buys kvroute); it runs when named.
+DEFAULT_SYSTEMS = tuple(system for system in SYSTEMS if system != KVROUTE_TIER)
 LOOPBACK = "127.0.0.1"
 KV_EVENTS_TOPIC = "kv-events"
 
@@ -73,6 +77,7 @@ class PeerOptions:
     router_args: tuple[str, ...] = ()
     router_binary: str = "vllm-router"
     python: str = sys.executable
+    tier_kv_multiple: float = 8.0  # kvroute-tier's node store, in multiples of the engines' KV
 
 
 def url(port: int) -> str:
@@ -82,18 +87,26 @@ def url(port: int) -> str:
 # ---------------------------------------------------------------- kvroute
 
 
-def kvroute_plan(res: Resources, options: PeerOptions, port: Callable[[], int], log_dir: Path) -> Plan:
+def kvroute_plan(res: Resources, options: PeerOptions, port: Callable[[], int], log_dir: Path,
+                 tier: bool = False) -> Plan:
+    """``tier``: kvroute-tier, with a node store of ``options.tier_kv_multiple`` x the KV budget."""
     own = port()
+    system = KVROUTE_TIER if tier else KVROUTE
     sizing = ["--topology", options.kvroute_topology, "--total-kv-gib", f"{res.total_kv_gib:g}"]
     settings = {"topology": options.kvroute_topology, "total_kv_gib": res.total_kv_gib}
+    description = f"kvroute serve, topology {options.kvroute_topology}"
+    if tier:
+        host_kv_gib = options.tier_kv_multiple * res.total_kv_gib
+        sizing += ["--host-kv-gib", f"{host_kv_gib:g}"]
+        settings["host_kv_gib"] = host_kv_gib
+        description += f", node store of {host_kv_gib:g} GiB host memory"
     # --allow-policy-override only so that the cache reset may step each engine with a named
     # policy (ReplayServer.reset_cache); measured requests name none and get serve's default.
     argv = (options.python, "-m", "kvroute", "serve", "--host", LOOPBACK, "--port", str(own),
             "--dtype", res.dtype, "--max-model-len", str(res.max_model_len), "--allow-policy-override",
-            "--log-dir", str(log_dir / "kvroute-workers"), *sizing, *options.kvroute_args)
-    launch = Launch(KVROUTE, argv, ready_url=url(own) + "/health", ready_log="kvroute is serving at")
-    return Plan(KVROUTE, url(own), (launch,), RESET_KVROUTE, kvroute_api=True,
-                description=f"kvroute serve, topology {options.kvroute_topology}",
+            "--log-dir", str(log_dir / f"{system}-workers"), *sizing, *options.kvroute_args)
+    launch = Launch(system, argv, ready_url=url(own) + "/health", ready_log="kvroute is serving at")
+    return Plan(system, url(own), (launch,), RESET_KVROUTE, kvroute_api=True, description=description,
                 settings={**settings, "extra_args": list(options.kvroute_args)})
 
 

@@ -10,7 +10,8 @@ kvroute against the best peer. Pure functions over ``replay.Row``s and plain dic
 * The **winner** of a metric is the system with the best value (lowest latency, highest hit
   rate and goodput); equal values share the win. ``kvroute_over_best_peer`` is kvroute's
   value over the best other system's: below 1 is better for latencies, above 1 for hit rate
-  and goodput. Every verdict names the winner, also when it is a peer.
+  and goodput. Every verdict names the winner, also when it is a peer. ``kvroute-tier`` (kvroute
+  with a node KV tier) is no peer: ``tier_over_kvroute`` is its value over kvroute's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kvroute.bench.replay_results import hit_rate
 from simulator.records import percentile
 
 KVROUTE = "kvroute"
+KVROUTE_TIER = "kvroute-tier"  # kvroute with a node KV tier: compared with kvroute, not a peer
+OURS = (KVROUTE, KVROUTE_TIER)
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,11 @@ def winners(values: dict[str, float | None], lower_is_better: bool) -> list[str]
 def compare(values: dict[str, float | None], metric: Metric) -> dict:
     """Winner(s), and kvroute against the best other system, with a sentence saying so."""
     result: dict = {"metric": metric.key, "values": values, "winners": winners(values, metric.lower_is_better)}
-    peers = {name: value for name, value in values.items() if name != KVROUTE}
+    peers = {name: value for name, value in values.items() if name not in OURS}
     best_peers = winners(peers, metric.lower_is_better)
     ours = values.get(KVROUTE)
+    if ours and values.get(KVROUTE_TIER) is not None:
+        result["tier_over_kvroute"] = values[KVROUTE_TIER] / ours
     if best_peers:
         result["best_peer"] = best_peers[0]
         result["best_peer_value"] = peers[best_peers[0]]

@@ -13,7 +13,8 @@ only in how they serve it. ``rate`` is in requests per second for all four:
 * ``trace``: the Mooncake trace (``kvroute.bench.paths.DEFAULT_TRACE``): every record of a
   seeded 2% of its prefix families, scaled as ``kvroute bench trace`` scales it (32-token
   blocks, a tenth of the outputs), its first N requests re-timed to arrive at ``rate``
-  with the trace's own rhythm; token-id prompts to ``/v1/completions``.
+  with the trace's own rhythm; token-id prompts to ``/v1/completions``. Its source notes the
+  hit rate one shared cache that never evicts would reach on those requests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 import math
 from pathlib import Path
 
+from kvroute.bench.oracle import oracle_requests, unlimited_reuse
 from kvroute.bench.replay import ReplayItem
 from kvroute.bench.replay_sources import WorkloadChoice, trace_item, workload_items
 from worker.block_size import CPU_BLOCK_SIZE
@@ -113,9 +115,12 @@ def trace_workload(rate: float, settings: SourceSettings) -> tuple[list[ReplayIt
     sample = scale_trace(sample_families(_records(Path(settings.trace)), TRACE_FAMILY_FRACTION, settings.seed),
                          scaling)
     requests = retimed(sample.requests[:settings.requests], rate)
+    # What one shared cache that never evicts would reuse of these requests: the bound a
+    # system's hit rate is judged by (kvroute.bench.oracle).
+    bound = unlimited_reuse(oracle_requests(requests, CPU_BLOCK_SIZE), CPU_BLOCK_SIZE)
     source = {"trace": str(settings.trace), "family_fraction": TRACE_FAMILY_FRACTION,
               "scaling": dataclasses.asdict(scaling), "sampled": sample.kept, "dropped": sample.dropped,
-              "replayed": len(requests)}
+              "replayed": len(requests), "unlimited_cache_hit_rate": bound.hit_rate}
     return [trace_item(request) for request in requests], source
 
 
