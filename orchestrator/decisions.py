@@ -14,10 +14,14 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from orchestrator.planner.views import Decision, Plan
+
+if TYPE_CHECKING:
+    from orchestrator.disagg import HandoffRecord
 
 logger = logging.getLogger("kvroute.decisions")
 _record_encoder = msgspec.json.Encoder(enc_hook=str)  # dataclasses natively; anything odd as text
@@ -38,6 +42,7 @@ def plan_summary(plan: Plan) -> dict:
 @dataclass
 class Actual:
     reused_tokens: int | None = None  # prompt tokens the prefilling engine did not compute
+    tier_tokens: int | None = None  # of those, the ones it loaded from its node KV store
     ttft: float | None = None
     second_token_gap: float | None = None
     e2e: float | None = None
@@ -46,6 +51,17 @@ class Actual:
     error: str | None = None
     transfer_bytes: int | None = None
     transfer_seconds: float | None = None
+
+    def observe(self, handoff: HandoffRecord, arrived_at: float, now: float) -> None:
+        """What the request's hand-off record says happened: its reuse, latencies and pull."""
+        if handoff.first_token_at is not None:
+            self.reused_tokens, self.tier_tokens = handoff.prefill_cached_tokens, handoff.prefill_tier_tokens
+            self.ttft = handoff.first_token_at - arrived_at
+            self.e2e = now - arrived_at
+        if handoff.second_token_at is not None:
+            self.second_token_gap = handoff.second_token_at - handoff.first_token_at
+        if handoff.transfer is not None and handoff.transfer.ok:
+            self.transfer_bytes, self.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
 
 
 @dataclass

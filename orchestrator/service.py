@@ -417,14 +417,7 @@ class CompletionService:
         continuation after a failure still teaches the index and the cost model."""
         actual = record.actual
         actual.completion_tokens, actual.finish_reason = outcome.completion_tokens, outcome.finish_reason
-        if handoff.first_token_at is not None:
-            actual.reused_tokens = handoff.prefill_cached_tokens
-            actual.ttft = handoff.first_token_at - job.arrived_at
-            actual.e2e = time.perf_counter() - job.arrived_at
-        if handoff.second_token_at is not None:
-            actual.second_token_gap = handoff.second_token_at - handoff.first_token_at
-        if handoff.transfer is not None and handoff.transfer.ok:
-            actual.transfer_bytes, actual.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
+        actual.observe(handoff, job.arrived_at, time.perf_counter())
         if client_facing:
             self.metrics.observe_request(job, plan, handoff, record)
             self.activity.observe(time.time(), record.prompt_tokens, actual.reused_tokens, actual.ttft,

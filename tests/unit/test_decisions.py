@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from foundation import wire
 from orchestrator.decisions import DecisionLog, DecisionRecord
+from orchestrator.disagg import HandoffRecord
 
 
 def record(response_id: str, request_id: str, choice_index: int = 0, tenant: str = "anonymous") -> DecisionRecord:
@@ -49,3 +53,22 @@ def test_a_tenant_reads_and_lists_its_own_records_only():
     # No tenant (an admin): everyone's.
     assert [r.response_id for r in log.recent(3)] == ["cmpl-5", "cmpl-4", "cmpl-3"]
     assert log.by_response("cmpl-1")[0].to_dict()["tenant"] == "team-a"
+
+
+def test_the_actual_outcome_is_read_from_the_hand_off_tier_tokens_included():
+    handoff = HandoffRecord("req", prompt_tokens=400, prefill_cached_tokens=384, prefill_tier_tokens=320,
+                            first_token_at=10.5, second_token_at=10.6,
+                            transfer=wire.PullRecord("req-1", "tcp://a", num_bytes=4096, seconds=0.02, ok=True))
+    actual = record("chatcmpl-t", "req").actual
+    actual.observe(handoff, arrived_at=10.0, now=12.0)
+    assert (actual.reused_tokens, actual.tier_tokens) == (384, 320)
+    assert (actual.ttft, actual.second_token_gap, actual.e2e) == (0.5, pytest.approx(0.1), 2.0)
+    assert (actual.transfer_bytes, actual.transfer_seconds) == (4096, 0.02)
+
+
+def test_a_request_without_a_first_token_reports_no_reuse_and_a_failed_pull_no_transfer():
+    handoff = HandoffRecord("req", prefill_cached_tokens=384,
+                            transfer=wire.PullRecord("req-1", "tcp://a", num_bytes=4096, seconds=0.02, ok=False))
+    actual = record("chatcmpl-u", "req").actual
+    actual.observe(handoff, arrived_at=10.0, now=12.0)
+    assert (actual.reused_tokens, actual.tier_tokens, actual.ttft, actual.transfer_bytes) == (None, None, None, None)
