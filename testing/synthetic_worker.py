@@ -177,7 +177,7 @@ class SyntheticWorker:
         self.fingerprint = model_fingerprint(self.settings.model)
         # A real node store, which this worker reports and resets as a real worker does (its
         # synthetic engine neither reads nor writes blocks there).
-        self.node_store = NodeStoreLink(self.settings.node_store) if self.settings.node_store else None
+        self.node_store = NodeStoreLink(self.settings.node_store)
         self.resident = ResidentBlocks()
         self.ready_file = ready_file
         self.server: RpcServer | None = None
@@ -207,10 +207,10 @@ class SyntheticWorker:
                                 transfer=wire.TransferCounters(),
                                 prompt_tokens=wire.PromptTokenCounters(),
                                 num_active_requests=self.server.num_active_requests if self.server else 0,
-                                **(await self.node_store.stats_fields() if self.node_store is not None else {}))
+                                **await self.node_store.stats_fields())
 
     async def reset_cache(self, request_id: str) -> wire.ResetCacheReply:
-        store = await self.node_store.reset_fields() if self.node_store is not None else {}
+        store = await self.node_store.reset_fields()
         return wire.ResetCacheReply(request_id=request_id, reset=True, released_leases=0, **store)
 
     async def transfer_of(self, request_id: str) -> wire.PullRecord | None:

@@ -46,7 +46,6 @@ def block_keys(token_ids: list[int], block_size: int, cache_salt: str | None) ->
 class TierScheduler:
     def __init__(self, client: LookupClient, block_size: int, executor: Executor | None = None):
         """``executor``: where lookups run (default: a thread of their own)."""
-        self.client = client
         self.block_size = block_size
         self._lookups = TierLookups(client, executor)
         # id → blocks of its local hit, as vLLM last asked about it. (At allocation the blocks

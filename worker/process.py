@@ -58,7 +58,7 @@ class Worker:
         self.prefill_probe: wire.PrefillProbe | None = None
         self.cores = core_binding(self.settings.omp_threads_bind)
         self._last_transfer = wire.TransferCounters()
-        self.node_store = NodeStoreLink(self.settings.node_store) if self.settings.node_store else None
+        self.node_store = NodeStoreLink(self.settings.node_store)
 
     async def run(self) -> None:
         signals = StopSignals()
@@ -160,7 +160,7 @@ class Worker:
         """Release leases, then reset the prefix cache once vLLM has freed their blocks; the
         node store, if any, is emptied too."""
         released = await self.release_leases("reset")
-        store = await self.node_store.reset_fields() if self.node_store is not None else {}
+        store = await self.node_store.reset_fields()
         if not await reset_prefix_cache(self.engine, RESET_ATTEMPTS):
             return wire.ResetCacheReply(request_id=request_id, reset=False, released_leases=released, **store)
         self.resident.clear()
@@ -180,7 +180,7 @@ class Worker:
                                 incarnation=self.settings.incarnation, load=self.load(),
                                 transfer=transfer, transfer_fresh=fresh, prompt_tokens=self.stats.prompt_tokens(),
                                 num_active_requests=self.server.num_active_requests if self.server else 0,
-                                **(await self.node_store.stats_fields() if self.node_store is not None else {}))
+                                **await self.node_store.stats_fields())
 
     def _announce(self) -> None:
         info = {"worker_id": self.settings.worker_id, "role": self.settings.role,

@@ -19,13 +19,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvroute.bench.peers.plans import KVROUTE, KVROUTE_TIER
 from kvroute.bench.replay import Row
 from kvroute.bench.replay_results import hit_rate
 from simulator.records import percentile
 
-KVROUTE = "kvroute"
-KVROUTE_TIER = "kvroute-tier"  # kvroute with a node KV tier: compared with kvroute, not a peer
-OURS = (KVROUTE, KVROUTE_TIER)
+OURS = (KVROUTE, KVROUTE_TIER)  # kvroute-tier is compared with kvroute, not counted as a peer
 
 
 @dataclass(frozen=True)
