@@ -143,8 +143,9 @@ class GenerateChunk(_Message, tag="chunk"):
     # Consumer, first chunk only: the pull that brought this request's prompt blocks.
     transfer: PullRecord | None = None
     # Last chunk only: prompt tokens the engine loaded from the node KV tier (transfer.node_store),
-    # a part of num_cached_tokens.
+    # a part of num_cached_tokens, and the seconds from its first lookup to the load's end.
     num_tier_tokens: int = 0
+    tier_seconds: float = 0.0
 
 
 class ErrorReply(_Message, tag="error"):
@@ -260,6 +261,9 @@ class Heartbeat(_Message, tag="heartbeat"):
     prefill_probe: PrefillProbe | None = None
     # The cores its engine computes on; None: not bound to particular cores (or unknown).
     cores: CoreBinding | None = None
+    # Its host's node KV store ("" for none): workers naming one address on one host share
+    # it, and the orchestrator follows its blocks through any of them.
+    node_store_address: str = ""
 
 
 class SnapshotRequest(_Message, tag="snapshot"):
@@ -490,6 +494,32 @@ class TierGetReply(_Message, tag="tier_get_reply"):
     blocks: list[TierBlock] = msgspec.field(default_factory=list)
 
 
+class TierEvent(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    stored: bool  # False: removed
+    tier: str  # "host" or "disk"
+    key: bytes  # the block's namespaced chain hash (foundation.identity), 16 bytes little-endian
+
+
+class TierEventsRequest(_Message, tag="tier_events"):
+    """The blocks a node store stored and removed after event ``since`` of its run
+    ``epoch``. Sent to a worker, which asks its node store. A store of another run, or one
+    that no longer keeps those events, answers with a snapshot instead."""
+
+    request_id: str = ""
+    since: int = 0
+    epoch: str = ""
+
+
+class TierEventsReply(_Message, tag="tier_events_reply"):
+    request_id: str = ""
+    epoch: str = ""  # the store's run
+    seq: int = 0  # of its latest event: the next request's ``since``
+    # True: ``events`` are every block the store holds, as stored: they replace what the
+    # reader knew of the store instead of being applied to it.
+    snapshot: bool = False
+    events: list[TierEvent] = msgspec.field(default_factory=list)
+
+
 class TierCounters(msgspec.Struct, forbid_unknown_fields=False):
     """What a node store holds and has done since it started."""
 
@@ -567,6 +597,8 @@ Message = (
     | TierStatsReply
     | TierReset
     | TierResetReply
+    | TierEventsRequest
+    | TierEventsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

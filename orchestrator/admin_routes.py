@@ -48,7 +48,7 @@ def admin_routers(context: ApiContext) -> list[APIRouter]:
     async def stores():
         """The node KV stores behind the workers: capacity and use per tier, hit rate,
         evictions (``orchestrator.node_stores``)."""
-        return {"stores": await describe_stores(service.fleet)}
+        return {"stores": await describe_stores(service.fleet, service.tiers)}
 
     @admin.get("/status")
     async def status(decisions: int = Query(20, ge=0, le=DECISIONS_LIMIT)):
@@ -75,7 +75,7 @@ def admin_routers(context: ApiContext) -> list[APIRouter]:
 
     @public.get("/metrics")
     async def metrics():
-        service.metrics.refresh_fleet(service.fleet, service.index)
+        service.metrics.refresh_fleet(service.fleet, service.index, service.tiers)
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return [admin, public, status_page_router()]

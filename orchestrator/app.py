@@ -34,6 +34,8 @@ from orchestrator.registry import WorkerRegistry
 from orchestrator.service import CompletionService
 from orchestrator.settings import OrchestratorSettings
 from orchestrator.startup_calibration import StartupCalibration
+from orchestrator.tier_holdings import TierHoldings
+from orchestrator.tier_sync import TierSync
 from orchestrator.tokenization import TextCodec
 
 logger = logging.getLogger("kvroute.orchestrator")
@@ -70,13 +72,15 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
                   f"tcp://{settings.registry_host}:{settings.registry_port}", orchestrator_id,
                   settings.breaker_settings(), settings.retry_policy(), settings.registry_max_frame_bytes)
     index, metrics, calibration = PrefixIndex(settings.pending_settings()), Metrics(), Calibration()
-    index_sync = IndexSync(index)
-    fleet.listeners += [index_sync, StartupCalibration(calibration)]
+    index_sync, tiers = IndexSync(index), TierHoldings()
+    tier_sync = TierSync(tiers, settings.tier_index_poll_seconds)
+    fleet.listeners += [index_sync, tier_sync, StartupCalibration(calibration)]
     policies = {name: make_policy(name, settings.planner_settings()) for name in POLICIES}
     service = CompletionService(fleet, codec, policies, settings.policy, metrics, index,
                                 DecisionLog(), calibration, Feedback(index_sync, calibration, metrics),
                                 settings.worker_timeout_seconds, settings.admission_wait_seconds,
-                                settings.max_attempts, settings.queue_wait_limit_seconds, settings.recent_activity())
+                                settings.max_attempts, settings.queue_wait_limit_seconds, settings.recent_activity(),
+                                tiers)
     model_name = settings.served_model_name or Path(model_path).name
 
     @asynccontextmanager
@@ -88,6 +92,7 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
             yield
         finally:
             await index_sync.stop()
+            await tier_sync.stop()
             await fleet.stop()
 
     rate_limits = TenantRateLimits(settings.default_rate_limit(), api_keys.rate_limits,

@@ -43,6 +43,7 @@ def plan_summary(plan: Plan) -> dict:
 class Actual:
     reused_tokens: int | None = None  # prompt tokens the prefilling engine did not compute
     tier_tokens: int | None = None  # of those, the ones it loaded from its node KV store
+    tier_seconds: float | None = None  # what loading them took, from the store's lookup on
     ttft: float | None = None
     second_token_gap: float | None = None
     e2e: float | None = None
@@ -56,6 +57,8 @@ class Actual:
         """What the request's hand-off record says happened: its reuse, latencies and pull."""
         if handoff.first_token_at is not None:
             self.reused_tokens, self.tier_tokens = handoff.prefill_cached_tokens, handoff.prefill_tier_tokens
+            if handoff.prefill_tier_tokens:
+                self.tier_seconds = handoff.prefill_tier_seconds
             self.ttft = handoff.first_token_at - arrived_at
             self.e2e = now - arrived_at
         if handoff.second_token_at is not None:
@@ -79,6 +82,8 @@ class DecisionRecord:
     # Of the predicted reuse, the part the engine had reported stored when the plan was
     # made; the rest was claimed for requests still prefilling there (pending_blocks).
     predicted_stored_tokens: int = 0
+    # Of the predicted reuse, the part to load from the prefilling worker's node KV store.
+    predicted_tier_tokens: int = 0
     tenant: str = "anonymous"
     created_at: float = field(default_factory=time.time)
     actual: Actual = field(default_factory=Actual)
@@ -89,11 +94,14 @@ class DecisionRecord:
                       ) -> DecisionRecord:
         """``stored_tokens``: the leading prompt tokens the prefilling worker had reported stored."""
         chosen = decision.chosen
-        predicted = chosen.estimate.reused_tokens if chosen and chosen.estimate else 0
+        estimate = chosen.estimate if chosen else None
+        predicted = estimate.reused_tokens if estimate else 0
+        tier = estimate.tier_tokens if estimate else 0
         return cls(response_id, choice_index, request_id, decision.policy, prompt_tokens, block_size, predicted,
                    decision.reason, plan_summary(chosen) if chosen else None,
                    [plan_summary(p) for p in decision.alternatives if p is not chosen],
-                   predicted_stored_tokens=min(stored_tokens, predicted), tenant=tenant)
+                   predicted_stored_tokens=min(stored_tokens, predicted - tier), predicted_tier_tokens=tier,
+                   tenant=tenant)
 
     def index_overestimated(self) -> bool:
         """The engine lacked blocks it had reported stored: the index is stale."""
@@ -102,7 +110,15 @@ class DecisionRecord:
     def claim_overestimated(self) -> bool:
         """The engine lacked claimed blocks only: the request that claimed them had not
         stored them in time (same step, still queued, evicted, or moved), not a stale index."""
-        return self._reused_below(self.predicted_reused_tokens) and not self.index_overestimated()
+        return (self._reused_below(self.predicted_reused_tokens - self.predicted_tier_tokens)
+                and not self.index_overestimated())
+
+    def tier_overestimated(self) -> bool:
+        """The engine had the blocks it was credited with, but the node store gave fewer than
+        predicted: the store evicted them or was out of reach since the orchestrator last
+        read its events."""
+        return (self.predicted_tier_tokens > 0 and self._reused_below(self.predicted_reused_tokens)
+                and not self.claim_overestimated() and not self.index_overestimated())
 
     def _reused_below(self, predicted: int) -> bool:
         reused = self.actual.reused_tokens

@@ -57,6 +57,7 @@ class HandoffRecord:
     prompt_tokens: int = 0
     prefill_cached_tokens: int = 0
     prefill_tier_tokens: int = 0  # of those, loaded from the prefilling worker's node KV tier
+    prefill_tier_seconds: float = 0.0  # from the tier lookup's start to the load's end
     pull_source: wire.PullSource | None = None
     first_token_at: float | None = None
     second_token_at: float | None = None
@@ -153,7 +154,7 @@ async def _prefill(prefill: WorkerClient, record: HandoffRecord, prompt_token_id
     first.token_ids = [t for chunk in chunks for t in chunk.token_ids]
     first.logprobs = [lp for chunk in chunks for lp in (chunk.logprobs or [])] or None
     record.prefill_cached_tokens = first.num_cached_tokens
-    record.prefill_tier_tokens = first.num_tier_tokens
+    record.prefill_tier_tokens, record.prefill_tier_seconds = first.num_tier_tokens, first.tier_seconds
     record.pull_source = first.pull_source
     return first
 
@@ -177,7 +178,7 @@ async def _generate(worker: WorkerClient, record: HandoffRecord, request: wire.G
         if record.first_token_at is None:
             record.prefill_cached_tokens = chunk.num_cached_tokens
         if chunk.num_tier_tokens:  # said with the last chunk, when the engine's connector knows
-            record.prefill_tier_tokens = chunk.num_tier_tokens
+            record.prefill_tier_tokens, record.prefill_tier_seconds = chunk.num_tier_tokens, chunk.tier_seconds
         _observe(record, chunk)
         yield chunk
 

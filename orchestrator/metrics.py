@@ -53,6 +53,16 @@ class Metrics:
         self.tier_tokens = Counter("kvroute_tier_prompt_tokens",
                                    "of the cached prompt tokens, those loaded from the node KV tier", ["worker"],
                                    registry=r)
+        self.tier_load_bytes = Counter("kvroute_tier_load_bytes", "KV bytes loaded from a node KV store, per "
+                                       "loading worker and tier", ["worker", "tier"], registry=r)
+        self.tier_load_seconds = Histogram("kvroute_tier_load_seconds", "a request's node-store load, from its "
+                                           "lookup to the load's end, per tier", ["tier"], buckets=LATENCY_BUCKETS,
+                                           registry=r)
+        self.tier_misses = Counter("kvroute_tier_misses", "requests that loaded fewer tokens from the node KV store "
+                                   "than planned", ["worker"], registry=r)
+        self.tier_indexed_blocks = Gauge("kvroute_tier_indexed_blocks", "blocks the orchestrator knows a node KV "
+                                         "store holds, per store and tier", ["node", "store", "tier"], registry=r)
+        self._stores_exported: set[tuple[str, str]] = set()
         self.generation_tokens = Counter("kvroute_generation_tokens", "completion tokens returned", registry=r)
         self.ttft_estimate_ratio = Histogram("kvroute_ttft_estimate_ratio",
                                              "actual TTFT over the chosen plan's estimate (1: exact)",
@@ -127,9 +137,11 @@ class Metrics:
     def observe_claim_miss(self, worker_id: str) -> None:
         self._per_worker(self.claim_misses, (worker_id,), worker_id).inc()
 
-    def refresh_fleet(self, fleet, index) -> None:
-        """Gauges read from the fleet and the index when /metrics is scraped; the series of
-        workers no longer registered are removed."""
+    def refresh_fleet(self, fleet, index, tiers=None) -> None:
+        """Gauges read from the fleet, the index and the node stores' holdings (``tiers``)
+        when /metrics is scraped; the series of workers and stores gone are removed."""
+        if tiers is not None:
+            self._export_stores(tiers)
         for role in wire.ROLES:
             workers = fleet.live(role)
             self.workers.labels(role).set(len(workers))
@@ -152,7 +164,7 @@ class Metrics:
         self._per_worker(self.worker_queued_prefill_tokens, (worker_id,), worker_id).set(
             worker.load.num_queued_prefill_tokens)
         # Counters of rare events start at 0, so the first one shows in rate() and increase().
-        for rare in (self.index_mispredictions, self.claim_misses):
+        for rare in (self.index_mispredictions, self.claim_misses, self.tier_misses):
             self._per_worker(rare, (worker_id,), worker_id)
         self._export_evictions(worker_id, index.num_evicted(worker_id))
 
@@ -162,6 +174,24 @@ class Metrics:
         if new > 0:
             self._per_worker(self.evicted_blocks, (worker_id,), worker_id).inc(new)
         self._evictions_exported[worker_id] = evicted
+
+    def _export_stores(self, tiers) -> None:
+        stores = set(tiers.stores())
+        for node, address in stores:
+            for tier in ("host", "disk"):
+                self.tier_indexed_blocks.labels(node, address, tier).set(tiers.num_blocks((node, address), tier))
+        for node, address in self._stores_exported - stores:
+            for tier in ("host", "disk"):
+                with contextlib.suppress(KeyError):
+                    self.tier_indexed_blocks.remove(node, address, tier)
+        self._stores_exported = stores
+
+    def observe_tier_load(self, worker_id: str, tier: str, num_bytes: int, seconds: float) -> None:
+        self._per_worker(self.tier_load_bytes, (worker_id,), worker_id, tier).inc(num_bytes)
+        self.tier_load_seconds.labels(tier).observe(seconds)
+
+    def observe_tier_miss(self, worker_id: str) -> None:
+        self._per_worker(self.tier_misses, (worker_id,), worker_id).inc()
 
     def observe_transfer(self, source: str, destination: str, num_bytes: int, seconds: float) -> None:
         link = (source, destination)

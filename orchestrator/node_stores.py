@@ -5,7 +5,9 @@ The orchestrator has no line to a store: a store listens on its host's loopback 
 each worker that uses one reports its counters in its stats. Workers on one host share their
 store, so the view is one entry per store (its node: the host of the workers' RPC addresses;
 the store's address there), with the workers that reported it; a store no worker could reach is
-listed with why.
+listed with why. ``indexed`` is what the orchestrator's own view of the store holds per tier
+(``orchestrator.tier_holdings``), which the planner prices: it follows the store's counts
+within a poll, and is empty for a store it cannot follow.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from urllib.parse import urlsplit
 
 from foundation import wire
 from orchestrator.fleet import Fleet
+from orchestrator.tier_holdings import DISK, HOST, TierHoldings
 from orchestrator.worker_client import WorkerError
 
 STATS_TIMEOUT_SECONDS = 5.0
 
 
-async def describe_stores(fleet: Fleet) -> list[dict]:
+async def describe_stores(fleet: Fleet, tiers: TierHoldings) -> list[dict]:
     workers = [w for role in wire.ROLES for w in (*fleet.live(role), *fleet.draining(role))]
     replies = await asyncio.gather(*(_stats(fleet, w.worker_id) for w in workers))
     stores: dict[tuple[str, str], dict] = {}
@@ -29,7 +32,8 @@ async def describe_stores(fleet: Fleet) -> list[dict]:
             continue
         key = (urlsplit(worker.rpc_address).hostname or "", stats.node_store_address)
         entry = stores.setdefault(key, {"node": key[0], "address": key[1], "workers": [], "reachable": False,
-                                        "error": stats.node_store_error})
+                                        "error": stats.node_store_error,
+                                        "indexed": {tier: tiers.num_blocks(key, tier) for tier in (HOST, DISK)}})
         entry["workers"].append(worker.worker_id)
         if stats.node_store is not None and not entry["reachable"]:
             entry.update(reachable=True, error="", **describe_counters(stats.node_store))

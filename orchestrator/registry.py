@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from foundation import wire
 from foundation.heartbeat_checks import heartbeat_problem
@@ -39,6 +40,15 @@ class WorkerView:
     transfer_address: str = ""
     prefill_probe: wire.PrefillProbe | None = None  # its start-up prefill timing
     cores: wire.CoreBinding | None = None  # the CPU cores its engine computes on, if bound
+    node_store_address: str = ""  # its host's node KV store; "" for none
+
+    @property
+    def node_store(self) -> tuple[str, str] | None:
+        """Which node store it uses, as (its host, the store's address there); None: none.
+        Store addresses are loopback or ipc, so only the host tells two stores apart."""
+        if not self.node_store_address:
+            return None
+        return urlsplit(self.rpc_address).hostname or "", self.node_store_address
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,8 @@ class WorkerRegistry:
         previous = self._workers.get(beat.worker_id)
         self._workers[beat.worker_id] = WorkerView(beat.worker_id, beat.role, beat.incarnation, beat.rpc_address,
                                                    beat.load, now, beat.kv_events_address, beat.draining,
-                                                   beat.transfer_address, beat.prefill_probe, beat.cores)
+                                                   beat.transfer_address, beat.prefill_probe, beat.cores,
+                                                   beat.node_store_address)
         if previous is not None and previous.incarnation == beat.incarnation:
             if beat.draining and not previous.draining:
                 logger.info("worker %s is draining: no new requests go there", beat.worker_id)

@@ -50,6 +50,7 @@ from orchestrator.planner.views import Decision, Plan, PlanKind, RequestView, Wo
 from orchestrator.queue_patience import QueuePatience
 from orchestrator.recent_activity import RecentActivity
 from orchestrator.request_tracing import describe, placement_span
+from orchestrator.tier_holdings import TierHoldings
 from orchestrator.tokenization import TextCodec
 from orchestrator.worker_client import WorkerError
 
@@ -130,8 +131,11 @@ class CompletionService:
     def __init__(self, fleet: Fleet, codec: TextCodec, policies, default_policy: str, metrics: Metrics,
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
                  worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3,
-                 queue_wait_limit: float = 600.0, activity: RecentActivity | None = None):
+                 queue_wait_limit: float = 600.0, activity: RecentActivity | None = None,
+                 tiers: TierHoldings | None = None):
+        """``tiers``: what the node KV stores hold (None: no worker uses one)."""
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
+        self.tiers = tiers or TierHoldings()
         self.activity = activity or RecentActivity()  # the status page's last minutes
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
@@ -234,6 +238,7 @@ class CompletionService:
         block_size = load.block_size or DEFAULT_BLOCK_SIZE
         followable = followable_blocks(self.index, worker.worker_id, block_hashes, matched,
                                        tuple(queued.per_request or ()), load.prompt_step_cap, block_size)
+        tier = self.tiers.run(worker.node_store, block_hashes, matched)
         return WorkerView(worker_id=worker.worker_id, role=worker.role,
                           num_running=self.fleet.ledger.running(worker.worker_id, load.num_running),
                           num_waiting=queued.num_waiting, num_queued_prefill_tokens=queued.num_queued_prefill_tokens,
@@ -245,7 +250,8 @@ class CompletionService:
                           followable_blocks=followable,
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
-                          head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap)
+                          head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap,
+                          tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks)
 
     # ------------------------------------------------------------ running
 
@@ -423,5 +429,6 @@ class CompletionService:
             self.activity.observe(time.time(), record.prompt_tokens, actual.reused_tokens, actual.ttft,
                                   failed=actual.error is not None)
         prefilling = self.fleet.registry.get(plan.prefilling_worker)
-        self.feedback.observe(plan, record, idle_at_start, prefilling.role if prefilling else None)
+        self.feedback.observe(plan, record, idle_at_start, prefilling.role if prefilling else None,
+                              prefilling.load.bytes_per_block if prefilling else 0)
         self.decisions.finish(record)

@@ -37,6 +37,8 @@ class OrchestratorSettings:
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
+    tier_index_poll_seconds: float = setting(0.25, "how often the node KV stores' new blocks are read (through "
+                                                   "a worker on each), for the planner to price tier loads")
     registry_max_frame_bytes: int = setting(1 << 20, "largest message the registry reads; libzmq drops the "
                                                      "connection of a peer that sends a larger one")
     max_workers: int = setting(1024, "most workers registered at once; a heartbeat from another worker id is "
@@ -123,6 +125,8 @@ class OrchestratorSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.registry_max_frame_bytes < 4096 or self.max_workers < 1:
             raise ValueError("registry_max_frame_bytes must be at least 4096 and max_workers at least 1")
+        if not 0.01 <= self.tier_index_poll_seconds <= 60:
+            raise ValueError("tier_index_poll_seconds must be between 0.01 and 60")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.breaker_settings(), self.retry_policy(), self.recent_activity()  # their own checks, at start-up

@@ -173,17 +173,22 @@ class WorkerClient:
     async def reset_cache(self, timeout: float = 30.0) -> wire.ResetCacheReply:
         return await self._call(wire.ResetCacheRequest, wire.ResetCacheReply, timeout)
 
+    async def tier_events(self, since: int, epoch: str, timeout: float = 5.0) -> wire.TierEventsReply:
+        """The worker's node store's events after ``since`` of run ``epoch`` (or its
+        snapshot). One attempt: the caller asks again at its next poll."""
+        return await self._call_once(wire.TierEventsRequest, wire.TierEventsReply, timeout, since=since, epoch=epoch)
+
     async def _call(self, request_type, reply_type, timeout: float):
         """An idempotent query: each attempt waits up to ``timeout``, then backs off and asks again."""
         return await with_retries(lambda: self._call_once(request_type, reply_type, timeout), self.retry,
                                   f"{request_type.__name__} to {self.address}", retryable)
 
-    async def _call_once(self, request_type, reply_type, timeout: float):
-        """One request, one reply, correlated by a fresh request id."""
+    async def _call_once(self, request_type, reply_type, timeout: float, **fields):
+        """One request (with ``fields``), one reply, correlated by a fresh request id."""
         request_id = f"{request_type.__name__}-{uuid.uuid4().hex}"
         queue = self._open(request_id)
         try:
-            await self._send(request_type(request_id=request_id))
+            await self._send(request_type(request_id=request_id, **fields))
             reply = await self._wait(queue, timeout, request_id)
         finally:
             self._queues.pop(request_id, None)

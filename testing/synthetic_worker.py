@@ -223,7 +223,8 @@ class SyntheticWorker:
         s = self.settings
         self.server = RpcServer(self.engine, f"tcp://{s.bind_host}:{s.rpc_port}", self.stats,
                                 lambda request_id: self.resident.snapshot(request_id, s.incarnation),
-                                self.reset_cache, self.transfer_of, model=s.model)
+                                self.reset_cache, self.transfer_of, model=s.model,
+                                tier_events=self.node_store.events)
         heartbeats = HeartbeatSender(s.orchestrators, self.heartbeat, s.orchestrator_resolve_seconds,
                                      status_writer(s, self.engine_problem, self.draining))
         tasks = [asyncio.create_task(self.server.serve()),

@@ -125,3 +125,5 @@ class KVRouteConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         if connector_output.failed_recving:
             self._scheduler.loads_failed(set(connector_output.failed_recving))
+        if connector_output.finished_recving:
+            self._scheduler.loads_done(set(connector_output.finished_recving))

@@ -35,7 +35,7 @@ from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
 from transfer.node_store.client import NodeStoreClient
 from transfer.request_params import PARAMS_KEY, kvroute_params, prompt_digest
 from transfer.settings import ConnectorSettings
-from transfer.tier_scheduler import TierScheduler
+from transfer.tier_scheduler import TierHit, TierScheduler
 
 logger = logging.getLogger("kvroute.transfer.scheduler")
 
@@ -158,23 +158,29 @@ class ConnectorScheduler:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Hold a producer's blocks under a lease; write new blocks through to the node store.
-        The output's ``kv_transfer_params["kvroute"]`` carry the pull source and the prompt
-        tokens loaded from the node store (``tier_tokens``)."""
+        The output's ``kv_transfer_params["kvroute"]`` carry the pull source, and the prompt
+        tokens loaded from the node store with the seconds that took (``tier_tokens``,
+        ``tier_seconds``)."""
         held, params = self._hold(request, block_ids)
-        tier_tokens = self._write_through(request, block_ids)
-        if tier_tokens:
+        hit = self._write_through(request, block_ids)
+        if hit.tokens:
             params = params or {PARAMS_KEY: {}}
-            params[PARAMS_KEY]["tier_tokens"] = tier_tokens
+            params[PARAMS_KEY].update(tier_tokens=hit.tokens, tier_seconds=round(hit.seconds, 6))
         return held, params
 
-    def _write_through(self, request: Any, block_ids: list[int]) -> int:
-        """Plans the write-through of the request's new blocks; the tokens its tier load brought."""
+    def loads_done(self, request_ids: set[str]) -> None:
+        """The worker half finished loading these requests' external tokens."""
+        if self._tier is not None:
+            self._tier.loaded(request_ids)
+
+    def _write_through(self, request: Any, block_ids: list[int]) -> TierHit:
+        """Plans the write-through of the request's new blocks; what its tier load brought."""
         if self._tier is None:
-            return 0
-        save, tier_tokens = self._tier.finished(request, block_ids)
+            return TierHit()
+        save, hit = self._tier.finished(request, block_ids)
         if save is not None:
             self._pending.tier_saves.append(save)
-        return tier_tokens
+        return hit
 
     def _hold(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = kvroute_params(request)

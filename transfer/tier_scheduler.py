@@ -7,9 +7,12 @@ Per request without a pull source::
         answers, then the leading blocks it holds, as external tokens
     update_state_after_alloc ──▶ TierLoad: those blocks, into the cache blocks vLLM allocated
         (the worker half reads them; a failed or refused read is a failed load: recomputed)
+    update_connector_output ──▶ the load is done (``loaded``)
     request_finished ──▶ TierSave: the request's full blocks it computed itself (beyond its
         local hit, its tier load and any pull), written through at the next step; the
-        tokens its load brought, in the output's kv_transfer_params ("tier_tokens")
+        tokens its load brought and the seconds from its first lookup to the load's end (what
+        the tier took of its time to first token), in the output's kv_transfer_params
+        ("tier_tokens", "tier_seconds")
 
 What a request computed itself is what neither the engine nor the store held when it was
 admitted, so the connector writes each block roughly once without asking the store first;
@@ -22,6 +25,8 @@ own thread, loads and saves in the worker half.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,17 @@ class _Admitted:
     first_new_block: int  # blocks before it came from the engine's cache, the tier or a pull
     tier_tokens: int = 0
     local_blocks: int = 0  # where a failed tier load's recompute starts
+    asked_at: float = 0.0  # its first lookup
+    loaded_at: float | None = None  # when the worker half reported its load done
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """What the node store gave a finished request: prompt tokens, and the seconds from its
+    first lookup to the end of their load (0 for none)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 def block_keys(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
@@ -44,9 +60,12 @@ def block_keys(token_ids: list[int], block_size: int, cache_salt: str | None) ->
 
 
 class TierScheduler:
-    def __init__(self, client: LookupClient, block_size: int, executor: Executor | None = None):
+    def __init__(self, client: LookupClient, block_size: int, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """``executor``: where lookups run (default: a thread of their own)."""
         self.block_size = block_size
+        self.clock = clock
+        self._asked_at: LruDict[str, float] = LruDict(REMEMBERED_LOOKUPS)  # id → its first lookup
         self._lookups = TierLookups(client, executor)
         # id → blocks of its local hit, as vLLM last asked about it. (At allocation the blocks
         # tell no more: vLLM hashes the blocks a step will fill when it allocates them.)
@@ -66,6 +85,7 @@ class TierScheduler:
         if loadable_blocks <= first:
             return 0
         keys = self._keys(request, request.prompt_token_ids)[first:loadable_blocks]
+        self._asked_at.setdefault(request.request_id, self.clock())
         blocks = self._lookups.leading(request.request_id, first, keys)
         return None if blocks is None else min(blocks, len(keys)) * self.block_size
 
@@ -73,6 +93,7 @@ class TierScheduler:
         """A request allocated without a tier load, whose ``num_external_tokens`` (if any)
         come from a pull; its first admission counts."""
         self._lookups.forget(request.request_id)
+        self._asked_at.pop(request.request_id, None)
         local = self._local_hits.pop(request.request_id, 0)
         first_new = (local * self.block_size + num_external_tokens) // self.block_size
         self._admitted.setdefault(request.request_id, _Admitted(first_new, local_blocks=local))
@@ -85,8 +106,9 @@ class TierScheduler:
         blocks = group[num_local_blocks:]
         count = num_external_tokens // self.block_size
         keys = self._keys(request, request.prompt_token_ids)[num_local_blocks:num_local_blocks + count]
+        asked_at = self._asked_at.pop(request.request_id, None)
         self._admitted[request.request_id] = _Admitted(num_local_blocks + count, num_external_tokens,
-                                                       num_local_blocks)
+                                                       num_local_blocks, asked_at or self.clock())
         return TierLoad(request.request_id, tuple(keys), tuple(b.block_id for b in blocks[:count]))
 
     def load_failed(self, request_id: str) -> None:
@@ -95,18 +117,34 @@ class TierScheduler:
         if admitted is not None:
             admitted.first_new_block, admitted.tier_tokens = admitted.local_blocks, 0
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[TierSave | None, int]:
-        """(the blocks to write through, the prompt tokens its tier load brought)."""
+    def loaded(self, request_ids: Iterable[str]) -> None:
+        """The worker half finished these requests' loads (tier loads, or pulls: ignored)."""
+        now = self.clock()
+        for request_id in request_ids:
+            admitted = self._admitted.get(request_id)
+            if admitted is not None and admitted.tier_tokens and admitted.loaded_at is None:
+                admitted.loaded_at = now
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[TierSave | None, TierHit]:
+        """(the blocks to write through, what its tier load brought)."""
         self._lookups.forget(request.request_id)
         self._local_hits.pop(request.request_id, None)
+        self._asked_at.pop(request.request_id, None)
         admitted = self._admitted.pop(request.request_id, None)
         first = admitted.first_new_block if admitted is not None else 0
-        tier_tokens = admitted.tier_tokens if admitted is not None else 0
+        hit = _hit(admitted)
         computed = list(getattr(request, "all_token_ids", request.prompt_token_ids))[:request.num_computed_tokens]
         keys = self._keys(request, computed)[first:len(block_ids)]
         if not keys:
-            return None, tier_tokens
-        return TierSave(request.request_id, tuple(keys), tuple(block_ids[first:first + len(keys)])), tier_tokens
+            return None, hit
+        return TierSave(request.request_id, tuple(keys), tuple(block_ids[first:first + len(keys)])), hit
 
     def _keys(self, request: Any, token_ids: list[int]) -> list[bytes]:
         return block_keys(list(token_ids), self.block_size, getattr(request, "cache_salt", None))
+
+
+def _hit(admitted: _Admitted | None) -> TierHit:
+    if admitted is None or not admitted.tier_tokens:
+        return TierHit()
+    seconds = admitted.loaded_at - admitted.asked_at if admitted.loaded_at is not None else 0.0
+    return TierHit(admitted.tier_tokens, max(0.0, seconds))

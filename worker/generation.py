@@ -55,6 +55,7 @@ def to_chunk(request_id: str, output: RequestOutput) -> wire.GenerateChunk:
         pull_source=pull_source(output),
         logprobs=_logprobs(completion.logprobs),
         num_tier_tokens=_connector_params(output).get("tier_tokens", 0),
+        tier_seconds=_connector_params(output).get("tier_seconds", 0.0),
     )
 
 

@@ -43,7 +43,8 @@ def heartbeat_of(settings, load: wire.WorkerLoad, model_fingerprint: str, now: f
                           rpc_address=settings.rpc_address, load=load, sent_at=now,
                           kv_events_address=settings.kv_events_address, model_fingerprint=model_fingerprint,
                           transfer_address=settings.transfer_address, draining=draining,
-                          prefill_probe=prefill_probe, cores=cores)
+                          prefill_probe=prefill_probe, cores=cores,
+                          node_store_address=settings.node_store)
 
 
 @dataclass

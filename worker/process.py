@@ -76,7 +76,7 @@ class Worker:
             tasks = [asyncio.create_task(follow(self.resident, relay.local_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of,
-                                    model=self.settings.model)
+                                    model=self.settings.model, tier_events=self.node_store.events)
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat,
                                          self.settings.orchestrator_resolve_seconds,
                                          status_writer(self.settings, self.engine_problem, self.draining))

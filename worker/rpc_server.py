@@ -33,20 +33,24 @@ StatsProvider = Callable[[], Awaitable[wire.WorkerStats]]
 SnapshotProvider = Callable[[str], wire.KVSnapshot]
 ResetHandler = Callable[[str], Awaitable[wire.ResetCacheReply]]
 TransferLookup = Callable[[str], Awaitable[wire.PullRecord | None]]
+TierEventsProvider = Callable[[wire.TierEventsRequest], Awaitable[wire.TierEventsReply]]
 
 
 class RpcServer:
     """Owns the socket and the table of running generate tasks."""
 
     def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider,
-                 reset_cache: ResetHandler, transfer_of: TransferLookup, model: str = ""):
-        """``model``: the engine's model (folder or hub id), named in the request spans."""
+                 reset_cache: ResetHandler, transfer_of: TransferLookup, model: str = "",
+                 tier_events: TierEventsProvider | None = None):
+        """``model``: the engine's model (folder or hub id), named in the request spans;
+        ``tier_events``: its node store's events, passed on (None: it has no store)."""
         self.engine = engine
         self.model = model
         self._stats = stats
         self._snapshot = snapshot
         self._reset_cache = reset_cache
         self._transfer_of = transfer_of
+        self._tier_events = tier_events
         self._context = async_context()
         self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker")
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -129,7 +133,8 @@ class RpcServer:
             self._start_generate(identity, message)
         elif isinstance(message, wire.AbortRequest):
             await self._abort(message.request_id)
-        elif isinstance(message, (wire.StatsRequest, wire.SnapshotRequest, wire.ResetCacheRequest)):
+        elif isinstance(message, (wire.StatsRequest, wire.SnapshotRequest, wire.ResetCacheRequest,
+                                  wire.TierEventsRequest)):
             # Slow (a reset waits for the engine): answered by a task so the loop keeps serving.
             self._spawn(self._answer(identity, message))
         else:
@@ -143,6 +148,10 @@ class RpcServer:
                 reply.request_id = message.request_id
             elif isinstance(message, wire.SnapshotRequest):
                 reply = self._snapshot(message.request_id)
+            elif isinstance(message, wire.TierEventsRequest):
+                if self._tier_events is None:
+                    raise ValueError("this worker has no node store")
+                reply = await self._tier_events(message)
             else:
                 reply = await self._reset_cache(message.request_id)
         except Exception as error:  # a failing query must never take the worker down

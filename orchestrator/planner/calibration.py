@@ -308,21 +308,29 @@ def typical_link(estimates: Iterable[LinkEstimate], fallback: LinkEstimate) -> L
 
 
 def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator,
-                     now: float | None = None) -> CostModel:
+                     now: float | None = None, tiers: LinkCalibrator | None = None) -> CostModel:
     """A new frozen model: ``base`` with every fitted class and observed link replaced, the
     pooled fit (when there is one) for classes without their own, each worker's speed
     against the coefficients of that model, and the typical link for links without an
-    estimate. With ``now``, measurements past the memory are left out."""
+    estimate; node-store tiers with loads observed (``tiers``, keyed (TIER_LOADS, tier))
+    priced at their fit. With ``now``, measurements past the memory are left out."""
     remembered_links = links.estimates(now)
+    tier_loads = {tier: estimate for (_, tier), estimate in (tiers.estimates(now) if tiers else {}).items()}
     model = replace(base, prefill=prefill.pooled() or base.prefill,
                     prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
                     links={**base.links, **remembered_links},
-                    default_link=typical_link(remembered_links.values(), base.default_link))
+                    default_link=typical_link(remembered_links.values(), base.default_link),
+                    tier_loads={**base.tier_loads, **tier_loads})
     return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for, now)})
 
 
+TIER_LOADS = "node-store"  # the source of a tier load's "link" in the tier calibrator: (TIER_LOADS, tier)
+
+
 class Calibration:
-    """The two calibrators behind one model; ``calibrated_model()`` snapshots them.
+    """The calibrators behind one model; ``calibrated_model()`` snapshots them. Loads
+    from a node store's tier are fitted like a link (latency + bytes / bandwidth), one per
+    tier, from the loads requests report (the lookup's wait included).
 
     The snapshot is refit at most once per ``refit_interval`` of the caller's clock:
     planning runs on every request's path to its first token, and a least-squares refit
@@ -334,6 +342,7 @@ class Calibration:
         self.base = base or CostModel()
         self.prefill = PrefillCalibrator(defaults=self.base.prefill)
         self.links = LinkCalibrator(prior=self.base.default_link)
+        self.tiers = LinkCalibrator(prior=self.base.tier_loads["host"])
         self.refit_interval = refit_interval
         self._model = self.base
         self._fitted_at: float | None = None
@@ -350,6 +359,10 @@ class Calibration:
         self.links.observe(source, destination, num_bytes, seconds, now)
         self._dirty = True
 
+    def observe_tier_load(self, tier: str, num_bytes: int, seconds: float, now: float | None = None) -> None:
+        self.tiers.observe(TIER_LOADS, tier, num_bytes, seconds, now)
+        self._dirty = True
+
     def forget_worker(self, worker_id: str) -> None:
         """The worker left the fleet: its speed and its links are no longer measurements of anything."""
         self.prefill.forget_worker(worker_id)
@@ -360,8 +373,9 @@ class Calibration:
         due = now is None or self._fitted_at is None or now - self._fitted_at >= self.refit_interval
         expired = now is not None and now >= self._expires_at
         if (self._dirty or expired) and due:
-            self._model = calibrated_model(self.base, self.prefill, self.links, now)
+            self._model = calibrated_model(self.base, self.prefill, self.links, now, self.tiers)
             self._fitted_at, self._dirty = now, False
             self._expires_at = math.inf if now is None else min(self.prefill.next_expiry(now),
-                                                                self.links.next_expiry(now))
+                                                                self.links.next_expiry(now),
+                                                                self.tiers.next_expiry(now))
         return self._model

@@ -52,6 +52,11 @@ DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE = 0.005
 # streams' inter-token gaps hurts less than the same seconds of one client's TTFT.
 DEFAULT_LOCAL_INTERFERENCE_WEIGHT = 0.25
 DEFAULT_BYTES_PER_TOKEN = 23_040
+# Loading a prompt's blocks from the node KV store: a lookup the engine waits a step or
+# two for, then a copy into its cache (host tier: memory to memory; disk tier: a read
+# first). Start-up values; ``calibration`` fits them to the loads requests report.
+DEFAULT_TIER_LOADS = {"host": LinkEstimate(bandwidth_bytes_per_second=2e9, latency_seconds=0.03),
+                      "disk": LinkEstimate(bandwidth_bytes_per_second=5e8, latency_seconds=0.05)}
 # The most of its estimate a queued prompt counts as done from the time it has computed.
 HEAD_DONE_AT_MOST = 0.9
 
@@ -75,12 +80,14 @@ class CostModel:
     interleave_seconds_per_active: float = DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE
     local_interference_weight: float = DEFAULT_LOCAL_INTERFERENCE_WEIGHT
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
+    tier_loads: Mapping[str, LinkEstimate] = field(default_factory=lambda: dict(DEFAULT_TIER_LOADS))
 
     def __post_init__(self):
         # Freeze the mappings too, so a model shared between decisions cannot drift.
         object.__setattr__(self, "prefill_by_class", MappingProxyType(dict(self.prefill_by_class)))
         object.__setattr__(self, "prefill_speed", MappingProxyType(dict(self.prefill_speed)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        object.__setattr__(self, "tier_loads", MappingProxyType({**DEFAULT_TIER_LOADS, **self.tier_loads}))
 
     def coefficients_for(self, worker_class: str) -> PrefillCoefficients:
         return self.prefill_by_class.get(worker_class, self.prefill)
@@ -113,6 +120,12 @@ def transfer_seconds(num_bytes: int, link: LinkEstimate) -> float:
     if num_bytes <= 0:
         return 0.0
     return link.latency_seconds + num_bytes / link.bandwidth_bytes_per_second
+
+
+def tier_load_seconds(model: CostModel, host_blocks: int, disk_blocks: int, block_bytes: int) -> float:
+    """Loading blocks from a node KV store: per tier, its latency and its bytes."""
+    return sum(transfer_seconds(blocks * block_bytes, model.tier_loads[tier])
+               for tier, blocks in (("host", host_blocks), ("disk", disk_blocks)))
 
 
 def active_requests(worker: WorkerView) -> int:

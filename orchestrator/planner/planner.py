@@ -36,7 +36,7 @@ from orchestrator.planner.plans import (
     pull_plan,
 )
 from orchestrator.planner.settings import PlannerSettings
-from orchestrator.planner.views import UNIFIED, Decision, Plan, PlanKind, RequestView, WorkerView
+from orchestrator.planner.views import UNIFIED, Decision, Estimate, Plan, PlanKind, RequestView, WorkerView
 
 POLICY_NAME = "cache_aware"
 TIE_RESOLUTION_SECONDS = 6  # decimal places: costs closer than a microsecond are a tie
@@ -164,10 +164,21 @@ def holdings(plan: Plan, request: RequestView, views: dict[str, WorkerView]) -> 
     reusable = min(views[prefiller].reusable_blocks, held)
     if reusable < held:
         text += f" (reuses {reusable}: the rest is claimed by a prompt queued behind another)"
+    text += tier_part(plan.estimate, request)
     if plan.kind is PlanKind.DISAGG:
         missing = total - held_blocks(request, views[plan.decode_worker])
         text += f", {plan.decode_worker} pulls {missing}"
     return text
+
+
+def tier_part(estimate: Estimate, request: RequestView) -> str:
+    """The blocks the prefill loads from its node store, by tier, and the load's estimate."""
+    if not estimate.tier_tokens:
+        return ""
+    disk = estimate.tier_disk_tokens // request.block_size
+    host = estimate.tier_tokens // request.block_size - disk
+    tiers = " + ".join(f"{count} from {tier}" for tier, count in (("host", host), ("disk", disk)) if count)
+    return f", loads {tiers} of its node store ({estimate.tier_load:.3f} s)"
 
 
 def timing(plan: Plan) -> str:

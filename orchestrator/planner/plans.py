@@ -3,10 +3,16 @@
 Shared by the cache-aware planner and the baselines, so every decision record carries
 estimates computed the same way and can be compared side by side.
 
-    LOCAL d:     ttft = queue_wait(d) + prefill(d) + contention(d)   gap = 0   (+ interference on d)
-    DISAGG p->d: ttft = queue_wait(p) + prefill(p) + contention(p)   gap = transfer(p->d) + admission(d)
+    LOCAL d:     ttft = queue_wait(d) + tier(d) + prefill(d) + contention(d)
+                                                                     gap = 0   (+ interference on d)
+    DISAGG p->d: ttft = queue_wait(p) + tier(p) + prefill(p) + contention(p)
+                                                                     gap = transfer(p->d) + admission(d)
     PULL s=>u:   ttft = queue_wait(s) + lend(s) + transfer(s->u) + queue_wait(u) + prefill(u, rest)
                         + contention(u)                              gap = 0   (+ interference on u)
+
+``tier(w)``: loading what w's node KV store holds of the prompt beyond w's engine cache
+(``prefill_reuse``); the prefill then computes only the rest. A PULL's sink takes the
+prefix from the lender and does not look in its store.
 
 (+ queue_delay: what the prefill adds to the prompts queued on its worker, where they share steps)
 
@@ -18,6 +24,7 @@ estimates computed the same way and can be compared side by side.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from orchestrator.planner import cost_model as cost
 from orchestrator.planner.cost_model import CostModel
@@ -44,6 +51,38 @@ def reused_tokens(request: RequestView, worker: WorkerView) -> int:
     last token, which the engine always recomputes."""
     blocks = min(worker.reusable_blocks, prompt_blocks(request))
     return max(0, min(blocks * request.block_size, request.prompt_tokens - 1))
+
+
+@dataclass(frozen=True)
+class Reuse:
+    tokens: int  # prompt tokens a prefill skips: its engine's cache and its node store's
+    tier_tokens: int = 0  # of those, loaded from the node store
+    tier_seconds: float = 0.0  # the load's estimated time
+    tier_disk_tokens: int = 0  # of ``tier_tokens``, those on its disk tier
+
+
+def tier_load_blocks(request: RequestView, worker: WorkerView) -> tuple[int, int]:
+    """(host, disk) blocks a prefill on ``worker`` loads from its node store: the run the
+    store holds past the engine's blocks, short of the last token. The engine's connector
+    asks the store past its own hit only, so where some of the engine's blocks are still
+    being computed for a request ahead (fewer reusable than cached), the store, which
+    has not seen them either, gives nothing."""
+    if worker.reusable_blocks < worker.cached_blocks:
+        return 0, 0
+    room = max(0, (request.prompt_tokens - 1) // request.block_size - worker.cached_blocks)
+    host = min(worker.tier_host_blocks, room)
+    return host, min(worker.tier_disk_blocks, room - host)
+
+
+def prefill_reuse(request: RequestView, worker: WorkerView, model: CostModel) -> Reuse:
+    """What a prefill on ``worker`` skips, and what loading the node store's part costs."""
+    engine = reused_tokens(request, worker)
+    host, disk = tier_load_blocks(request, worker)
+    if host + disk == 0:
+        return Reuse(engine)
+    tokens = (worker.cached_blocks + host + disk) * request.block_size
+    return Reuse(tokens, tokens - engine, cost.tier_load_seconds(model, host, disk, cost.block_bytes(model, worker)),
+                 disk * request.block_size)
 
 
 def blocks_needed(request: RequestView, settings: PlannerSettings) -> int:
@@ -94,14 +133,17 @@ def decode_problem_for(request: RequestView, settings: PlannerSettings) -> Calla
 
 
 def local_plan(request: RequestView, decode: WorkerView, model: CostModel, settings: PlannerSettings) -> Plan:
-    reused = reused_tokens(request, decode)
+    reuse = prefill_reuse(request, decode, model)
+    reused = reuse.tokens
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role, decode.worker_id)
     queue_wait = cost.queue_wait_seconds(model, decode, prefill)
     contention = cost.contention_seconds(model, decode, queue_wait + prefill)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0,
-                        ttft=queue_wait + prefill + contention, gap=0.0, reused_tokens=reused, transfer_bytes=0,
-                        interference=cost.local_interference_seconds(model, decode, prefill),
-                        contention=contention, queue_delay=cost.queue_delay_seconds(model, decode, prefill))
+                        ttft=queue_wait + reuse.tier_seconds + prefill + contention, gap=0.0, reused_tokens=reused,
+                        transfer_bytes=0, interference=cost.local_interference_seconds(model, decode, prefill),
+                        contention=contention, queue_delay=cost.queue_delay_seconds(model, decode, prefill),
+                        tier_tokens=reuse.tier_tokens, tier_load=reuse.tier_seconds,
+                        tier_disk_tokens=reuse.tier_disk_tokens)
     problem = decode_worker_problem(decode, request, settings) or queue_problem(decode, settings)
     return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
 
@@ -115,19 +157,22 @@ def decoder_interference(model: CostModel, worker: WorkerView, prefill: float) -
 def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: WorkerView,
                 model: CostModel, settings: PlannerSettings) -> Plan:
     """The decode worker pulls only the prompt blocks it does not already hold."""
-    reused = reused_tokens(request, prefill_worker)
+    reuse = prefill_reuse(request, prefill_worker, model)
+    reused = reuse.tokens
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, prefill_worker.role,
                                    prefill_worker.worker_id)
     queue_wait = cost.queue_wait_seconds(model, prefill_worker, prefill)
     missing_bytes = (prompt_blocks(request) - held_blocks(request, decode)) * cost.block_bytes(model, decode)
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
     contention = cost.contention_seconds(model, prefill_worker, queue_wait + prefill)
-    ttft = queue_wait + prefill + contention
+    ttft = queue_wait + reuse.tier_seconds + prefill + contention
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
                         ttft=ttft, gap=transfer + cost.admission_seconds(model, decode, ttft + transfer),
                         reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention,
                         interference=decoder_interference(model, prefill_worker, prefill),
-                        queue_delay=cost.queue_delay_seconds(model, prefill_worker, prefill))
+                        queue_delay=cost.queue_delay_seconds(model, prefill_worker, prefill),
+                        tier_tokens=reuse.tier_tokens, tier_load=reuse.tier_seconds,
+                        tier_disk_tokens=reuse.tier_disk_tokens)
     problem = (prefill_worker_problem(prefill_worker, settings)
                or decode_worker_problem(decode, request, settings))
     return Plan(PlanKind.DISAGG, decode.worker_id, prefill_worker.worker_id, estimate, not problem, problem)
@@ -151,6 +196,7 @@ def pull_plan(request: RequestView, source: WorkerView, sink: WorkerView, model:
     lend_wait = cost.queue_wait_seconds(model, source, lend)
     missing_bytes = max(0, lent - sink.reusable_blocks) * cost.block_bytes(model, sink)
     transfer = cost.transfer_seconds(missing_bytes, model.link(source.worker_id, sink.worker_id))
+    # A request with a pull source does not look in its node store (the lender brings the prefix).
     reused = max(lend_tokens, reused_tokens(request, sink))
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, sink.role, sink.worker_id)
     queue_wait = lend_wait + lend + transfer + cost.queue_wait_seconds(model, sink, prefill)

@@ -51,6 +51,11 @@ class WorkerView:
     # Seconds the oldest of ``queued_prompts`` has computed without its listed tokens
     # changing: the part of it already done.
     head_prompt_elapsed: float = 0.0
+    # Prompt blocks after ``cached_blocks`` that the worker's node KV store holds without a
+    # gap, by tier (``orchestrator.tier_holdings``): a prefill there loads them instead of
+    # computing them.
+    tier_host_blocks: int = 0
+    tier_disk_blocks: int = 0
 
     @property
     def reusable_blocks(self) -> int:
@@ -94,6 +99,11 @@ class Estimate:
     # on its worker (an engine sharing its steps between them). Not part of ``ttft``;
     # the cache-aware planner adds it when ranking, as it does ``interference``.
     queue_delay: float = 0.0
+    # Of ``reused_tokens``, those loaded from the prefilling worker's node KV store, and the
+    # seconds the load takes (part of ``ttft``).
+    tier_tokens: int = 0
+    tier_load: float = 0.0
+    tier_disk_tokens: int = 0  # of ``tier_tokens``, those on the store's disk tier
 
 
 @dataclass(frozen=True)

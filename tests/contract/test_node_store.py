@@ -136,6 +136,25 @@ def test_a_reset_empties_every_tier_and_the_store_fills_again(serve, caches, tmp
     assert_same_blocks(writer, [2], reader, [0])
 
 
+def test_its_events_tell_a_reader_every_block_stored_moved_and_dropped(serve, caches, tmp_path):
+    writer, _ = caches
+    _, client = serve(settings_for(writer, host_blocks=2, disk_blocks=4, disk_dir=tmp_path))
+    assert client.events(0, "") == wire.TierEventsReply(snapshot=True), "nothing stored yet"
+    put(client, writer, keys(1, 2), [0, 1])
+    first = client.events(0, "")
+    held = {event.key: event.tier for event in first.events}
+    assert first.snapshot and held == {keys(1)[0]: "host", keys(2)[0]: "host"}
+    put(client, writer, keys(3), [2])  # 1 goes to disk
+    moved = client.events(first.seq, first.epoch)
+    assert not moved.snapshot and moved.seq == first.seq + 3
+    assert [(e.stored, e.tier, e.key) for e in moved.events] == [
+        (False, "host", keys(1)[0]), (True, "disk", keys(1)[0]), (True, "host", keys(3)[0])]
+    client.reset()
+    dropped = client.events(moved.seq, moved.epoch)
+    assert sorted((e.stored, e.tier) for e in dropped.events) == [(False, "disk"), (False, "host"), (False, "host")]
+    assert client.events(dropped.seq, "another run").snapshot, "a reader of another run gets a snapshot"
+
+
 def test_without_a_disk_tier_the_least_recently_used_blocks_go(serve, caches):
     writer, _ = caches
     _, client = serve(settings_for(writer, host_blocks=2))

@@ -145,6 +145,7 @@ async def test_an_evicted_prefix_loads_back_from_host_memory_and_not_for_another
     assert record.token_ids == first, "the prompt loaded from the tier must give the same greedy output"
     assert record.prefill_tier_tokens == full_blocks(prompt) * BLOCK_SIZE
     assert record.prefill_cached_tokens == record.prefill_tier_tokens, "the engine's own cache had evicted it"
+    assert 0 < record.prefill_tier_seconds < 5, "the load's time, from the lookup on, is reported"
     counters = (await asyncio.to_thread(store.stats)).counters
     assert counters.blocks_served == full_blocks(prompt) and counters.promotions == 0
     stats = await wait_idle(client)
@@ -164,7 +165,7 @@ async def test_a_disk_round_trip(client, tokenizer, node_store):
     assert counters.demotions >= full_blocks(prompt), counters
     again, last = await run(client, "disk-2", prompt, "tenant-a")
     assert again == first
-    assert last.num_tier_tokens == full_blocks(prompt) * BLOCK_SIZE
+    assert last.num_tier_tokens == full_blocks(prompt) * BLOCK_SIZE and last.tier_seconds > 0
     counters = (await asyncio.to_thread(store.stats)).counters
     assert counters.promotions >= full_blocks(prompt) and counters.corrupt_blocks == 0, counters
 

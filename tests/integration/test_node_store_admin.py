@@ -1,9 +1,13 @@
 """The node stores behind the workers, through the orchestrator's admin API: a real
 ``kvroute node-store`` process shared by two synthetic workers (which report and reset it as
 real workers do). ``GET /admin/stores`` lists it once, with both workers, its capacity, use
-and hit rate; ``POST /admin/reset-cache`` empties it; a store that is gone is listed with why."""
+and hit rate, and the orchestrator's index of it follows its blocks through the workers;
+``POST /admin/reset-cache`` empties it; a store that is gone is listed with why, and nothing
+is indexed there any more."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import numpy as np
@@ -44,12 +48,23 @@ def stores(url: str) -> list[dict]:
     return response.json()["stores"]
 
 
+def listed_when(url: str, ready, timeout: float = 10.0) -> dict:
+    """The one store listed, once ``ready(entry)`` holds (the index follows within a poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        (entry,) = stores(url)
+        if ready(entry) or time.monotonic() > deadline:
+            return entry
+        time.sleep(0.1)
+
+
 def test_a_shared_store_is_listed_once_emptied_by_reset_cache_and_missed_when_gone(tmp_path, node_store):
     store, client = node_store
     put_blocks(client, 2)
     with running_synthetic_stack(resolve_model(None), tmp_path / "stack.log", [], token_seconds=0.01,
                                  roles=("unified", "unified"), worker_args=("--node-store", client.address)) as stack:
-        (listed,) = stores(stack.url)
+        listed = listed_when(stack.url, lambda entry: entry["indexed"]["host"] == 2)
+        assert listed["indexed"] == {"host": 2, "disk": 0}, "the orchestrator follows the store's blocks"
         assert (listed["node"], listed["address"], sorted(listed["workers"])) == (
             "127.0.0.1", client.address, ["unified-0", "unified-1"])
         assert listed["reachable"] and listed["error"] == ""
@@ -62,10 +77,14 @@ def test_a_shared_store_is_listed_once_emptied_by_reset_cache_and_missed_when_go
         assert reset.status_code == 200, reset.text
         dropped = sorted(w.get("store_blocks_dropped", 0) for w in reset.json()["workers"])
         assert dropped == [0, 2], "the first reset of the shared store drops its blocks, the second none"
-        (after,) = stores(stack.url)
+        after = listed_when(stack.url, lambda entry: entry["indexed"]["host"] == 0)
         assert after["tiers"]["host"]["blocks"] == 0 and after["resets"] == 2
+        assert after["indexed"] == {"host": 0, "disk": 0}
+        put_blocks(client, 1)
+        assert listed_when(stack.url, lambda entry: entry["indexed"]["host"] == 1)["indexed"]["host"] == 1
 
         store.kill()
-        (gone,) = stores(stack.url)
+        gone = listed_when(stack.url, lambda entry: entry["indexed"]["host"] == 0)
         assert (sorted(gone["workers"]), gone["reachable"]) == (sorted(listed["workers"]), False)
         assert "did not answer" in gone["error"]
+        assert gone["indexed"] == {"host": 0, "disk": 0}, "a store out of reach is priced as holding nothing"

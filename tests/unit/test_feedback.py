@@ -113,3 +113,30 @@ def test_a_pull_that_reused_less_than_its_source_had_stored_reloads_the_source_i
     loop, sync, metrics = feedback()
     loop.observe(pull(), record(predicted=1024, stored=1024, reused=0), idle_at_start=False)
     assert sync.resynced == ["unified-a"] and count(metrics, "kvroute_index_mispredictions", "unified-a") == 1
+
+
+def test_a_store_load_teaches_its_tier_and_is_left_out_of_the_prefill_speed():
+    loop, sync, metrics = feedback()
+    timed: list[float] = []
+    loop.calibration.observe_prefill = lambda role, new, cached, seconds, **kwargs: timed.append(seconds)
+    loaded = record(predicted=1024, stored=0, reused=1024)
+    loaded.actual.tier_tokens, loaded.actual.tier_seconds, loaded.actual.ttft = 1024, 0.25, 0.75
+    local = Plan(kind=PlanKind.LOCAL, prefill_worker=None, decode_worker="unified-b")
+    loop.observe(local, loaded, idle_at_start=True, prefilling_role="unified", block_bytes=1_000_000)
+    assert timed == [0.5], "the prefill took the TTFT less the load"
+    host = loop.calibration.calibrated_model(time.monotonic()).tier_loads["host"]
+    assert abs(host.latency_seconds + 8_000_000 / host.bandwidth_bytes_per_second - 0.25) < 1e-6, \
+        "8 blocks of 1 MB in 0.25 s"
+    assert metrics.registry.get_sample_value("kvroute_tier_load_bytes_total",
+                                             {"worker": "unified-b", "tier": "host"}) == 8_000_000
+    assert sync.resynced == [] and count(metrics, "kvroute_tier_misses", "unified-b") == 0
+
+
+def test_a_store_that_gave_less_than_planned_counts_a_tier_miss_without_a_reload():
+    loop, sync, metrics = feedback()
+    missed = record(predicted=1024, stored=256, reused=256)
+    missed.predicted_tier_tokens, missed.actual.tier_tokens = 768, 0
+    loop.observe(Plan(kind=PlanKind.LOCAL, prefill_worker=None, decode_worker="unified-b"), missed,
+                 idle_at_start=False)
+    assert sync.resynced == [] and count(metrics, "kvroute_tier_misses", "unified-b") == 1
+    assert count(metrics, "kvroute_claim_misses", "unified-b") == 0

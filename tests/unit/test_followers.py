@@ -106,7 +106,8 @@ def service_view(queued: dict[str, int], prefilled_since: tuple[str, ...] = ()) 
     load = wire.WorkerLoad(num_waiting=len(queued), num_queued_prefill_tokens=sum(queued.values()),
                            num_free_blocks=100, num_total_blocks=100, block_size=BS, queued_prefill=queued,
                            prompt_step_cap=CAP)
-    worker = SimpleNamespace(worker_id="p0", role="prefill", load=load, last_seen=time.monotonic())
+    worker = SimpleNamespace(worker_id="p0", role="prefill", load=load, last_seen=time.monotonic(),
+                             node_store=None)
     return service._view(worker, HASHES, 20)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.node_store.index import Admission, Demote, Drop, Promotion, StoreEvent, Tier, TierIndex
+from transfer.node_store.events import EventLog, StoreEvent
+from transfer.node_store.index import Admission, Demote, Drop, Promotion, Tier, TierIndex
 
 
 def key(n: int) -> bytes:
@@ -130,14 +131,31 @@ def test_events_record_every_block_stored_and_removed_once():
     index = TierIndex(host_slots=1, disk_slots=2)
     fill(index, 1, 2)
     index.promote(key(1), 0.0)
-    assert index.take_events() == [
+    epoch = index.events.epoch
+    assert index.events.since(epoch, 0) == [
         StoreEvent("stored", key(1), Tier.HOST),
         StoreEvent("removed", key(1), Tier.HOST), StoreEvent("stored", key(1), Tier.DISK),
         StoreEvent("stored", key(2), Tier.HOST),
         StoreEvent("removed", key(2), Tier.HOST), StoreEvent("stored", key(2), Tier.DISK),  # room for 1
         StoreEvent("removed", key(1), Tier.DISK), StoreEvent("stored", key(1), Tier.HOST),
     ]
-    assert index.take_events() == []
+    assert index.events.seq == 8
+    assert index.events.since(epoch, 6) == [StoreEvent("removed", key(1), Tier.DISK),
+                                            StoreEvent("stored", key(1), Tier.HOST)]
+    assert index.events.since(epoch, 8) == []
+    assert sorted(index.holdings(), key=lambda e: e.key) == [StoreEvent("stored", key(1), "host"),
+                                                              StoreEvent("stored", key(2), "disk")]
+
+
+def test_a_reader_too_far_behind_or_of_another_run_needs_a_snapshot():
+    log = EventLog(max_events=3)
+    log.append(*(StoreEvent("stored", key(n), "host") for n in range(5)))
+    assert log.seq == 5
+    assert log.since(log.epoch, 2) == [StoreEvent("stored", key(n), "host") for n in (2, 3, 4)]
+    assert log.since(log.epoch, 1) is None  # event 2 is no longer kept
+    assert log.since("another-run", 5) is None
+    assert log.since(log.epoch, 6) is None  # a reader ahead of the log: not one of its readers
+    assert EventLog().epoch != log.epoch
 
 
 @pytest.mark.parametrize("host, disk", [(0, 0), (-1, 2), (1, -1)])

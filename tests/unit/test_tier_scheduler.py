@@ -56,9 +56,17 @@ class InlineExecutor:
         return future
 
 
-def scheduler_with(store: FakeStore) -> ConnectorScheduler:
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler_with(store: FakeStore, clock: Clock | None = None) -> ConnectorScheduler:
     return ConnectorScheduler(ConnectorSettings(transfer_address="tcp://127.0.0.1:1"), BLOCK_SIZE,
-                              tier=TierScheduler(store, BLOCK_SIZE, InlineExecutor()))
+                              tier=TierScheduler(store, BLOCK_SIZE, InlineExecutor(), clock=clock or Clock()))
 
 
 def finished(request, num_computed_tokens: int):
@@ -97,17 +105,23 @@ def test_a_store_left_alone_is_not_asked():
 
 
 def test_a_tier_hit_is_loaded_into_the_allocated_blocks_and_reported_at_the_end():
-    scheduler = scheduler_with(FakeStore(held=KEYS[:3]))
+    clock = Clock()
+    scheduler = scheduler_with(FakeStore(held=KEYS[:3]), clock)
     request = make_request(cache_salt=SALT)
     assert scheduler.get_num_new_matched_tokens(request, 4) == (8, True)
+    clock.now += 0.25
     scheduler.update_state_after_alloc(request, make_blocks(1, [10, 11, 12, 13, 14, 15]), 8)
     metadata = scheduler.build_connector_meta()
     assert metadata.tier_loads == [TierLoad(request.request_id, tuple(KEYS[1:3]), (11, 12))]
     assert metadata.loads == []
+    clock.now += 0.5
+    scheduler.loads_done({request.request_id, "another-request"})
+    clock.now += 3.0  # the prefill and decode that follow are not the tier's time
     # vLLM allocates the rest once the load is done: nothing more is planned then.
     scheduler.update_state_after_alloc(request, make_blocks(3, [10, 11, 12, 13, 14, 15]), 0)
     delay_free, params = scheduler.request_finished(finished(request, 21), [10, 11, 12, 13, 14, 15])
-    assert (delay_free, params) == (False, {PARAMS_KEY: {"tier_tokens": 8}})
+    # From the first lookup to the load's end.
+    assert (delay_free, params) == (False, {PARAMS_KEY: {"tier_tokens": 8, "tier_seconds": 0.75}})
     # Written through: only the blocks computed here (3 and 4), not the local hit or the tier's.
     assert scheduler.build_connector_meta().tier_saves == [TierSave(request.request_id, tuple(KEYS[3:5]), (13, 14))]
 

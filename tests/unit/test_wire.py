@@ -73,9 +73,13 @@ GENERATE_CHUNK_V2_HEX = (  # before ``num_tier_tokens`` was appended
     "8a" + GENERATE_CHUNK_V1_HEX[2:]
     + "a87472616e73666572" "c0"  # transfer: nil
 )
-GENERATE_CHUNK_HEX = (
+GENERATE_CHUNK_V3_HEX = (  # before ``tier_seconds`` was appended
     "8b" + GENERATE_CHUNK_V2_HEX[2:]
     + "af6e756d5f746965725f746f6b656e73" "00"  # num_tier_tokens: 0
+)
+GENERATE_CHUNK_HEX = (
+    "8c" + GENERATE_CHUNK_V3_HEX[2:]
+    + "ac746965725f7365636f6e6473" "cb" + "00" * 8  # tier_seconds: 0.0
 )
 
 HEARTBEAT = wire.Heartbeat(worker_id="w0", role="prefill", incarnation="i1", rpc_address="tcp://127.0.0.1:7000",
@@ -126,9 +130,13 @@ HEARTBEAT_V7_HEX = (  # before the load's ``head_prompt_age`` was appended
     .replace(LOAD_V2_LAST, LOAD_V2_LAST + "af70726f6d70745f737465705f636170" "00", 1)  # prompt_step_cap: 0
 )
 LOAD_V3_LAST = "af70726f6d70745f737465705f636170" "00"  # prompt_step_cap: the load's last field before
-HEARTBEAT_HEX = (
+HEARTBEAT_V8_HEX = (  # before ``node_store_address`` was appended
     HEARTBEAT_V7_HEX.replace("a46c6f6164" "89", "a46c6f6164" "8a", 1)  # load: map of 10
     .replace(LOAD_V3_LAST, LOAD_V3_LAST + "af686561645f70726f6d70745f616765" "cb" + "00" * 8, 1)  # head_prompt_age: 0.0
+)
+HEARTBEAT_HEX = (
+    "8e" + HEARTBEAT_V8_HEX[2:]
+    + "b26e6f64655f73746f72655f61646472657373" "a0"  # node_store_address: ""
 )
 
 PULL_BLOCKS = wire.PullBlocks(
@@ -303,12 +311,14 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                                               (HEARTBEAT_V2_HEX, HEARTBEAT), (HEARTBEAT_V3_HEX, HEARTBEAT),
                                               (HEARTBEAT_V4_HEX, HEARTBEAT), (HEARTBEAT_V5_HEX, HEARTBEAT),
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
+                                              (HEARTBEAT_V8_HEX, HEARTBEAT), (GENERATE_CHUNK_V3_HEX, GENERATE_CHUNK),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
                          ids=["GenerateRequest-v1", "GenerateChunk-v1", "GenerateChunk-v2", "Heartbeat-v1",
                               "Heartbeat-v2", "Heartbeat-v3",
-                              "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "PullBlocks-v1",
+                              "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "Heartbeat-v8",
+                              "GenerateChunk-v3", "PullBlocks-v1",
                               "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message

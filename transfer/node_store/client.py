@@ -78,6 +78,10 @@ class NodeStoreClient:
     def stats(self, timeout: float | None = None) -> wire.TierStatsReply:
         return self._exchange(wire.TierStatsRequest(), wire.TierStatsReply, timeout)[0]
 
+    def events(self, since: int, epoch: str, timeout: float | None = None) -> wire.TierEventsReply:
+        """What the store stored and removed after event ``since`` of run ``epoch``, or a snapshot."""
+        return self._exchange(wire.TierEventsRequest(since=since, epoch=epoch), wire.TierEventsReply, timeout)[0]
+
     def reset(self) -> wire.TierResetReply:
         """Drop every block the store holds."""
         return self._exchange(wire.TierReset(), wire.TierResetReply)[0]

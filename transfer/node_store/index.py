@@ -16,20 +16,21 @@ writes the block that caused them. Time is passed in.
 Blocks are keyed by kvroute's namespaced chain hash (``foundation.identity``), which
 covers the cache salt and every earlier token of the prompt, so two tenants never share a
 key. A block being read by a consumer is pinned until a deadline and is not evicted
-before it. Every block stored or removed is recorded as an event (``take_events``), for a
-store that will publish them like a worker's KV events.
+before it. Every block stored or removed is recorded in ``events``
+(``transfer.node_store.events``), which the orchestrators' indexes read.
 
 Single writer: the store's one thread.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
+from transfer.node_store.events import EventLog, StoreEvent
+
 BlockKey = bytes  # a namespaced chain hash, 16 bytes (foundation.identity)
-MAX_EVENTS = 65536  # undrained events beyond this are dropped, oldest first
 
 
 class Tier(str, Enum):
@@ -79,13 +80,6 @@ class Promotion:
     moves: tuple[Move, ...]  # to perform first, in order
 
 
-@dataclass(frozen=True)
-class StoreEvent:
-    kind: str  # "stored" or "removed"
-    key: BlockKey
-    tier: Tier
-
-
 class SlotPool:
     """Free slot numbers, lowest first."""
 
@@ -113,7 +107,7 @@ class TierIndex:
         self._entries: dict[BlockKey, Entry] = {}
         self._recency = {Tier.HOST: OrderedDict(), Tier.DISK: OrderedDict()}  # least recently used first
         self._slots = {Tier.HOST: SlotPool(host_slots), Tier.DISK: SlotPool(disk_slots)}
-        self._events: deque[StoreEvent] = deque(maxlen=MAX_EVENTS)
+        self.events = EventLog()
 
     # ---------------------------------------------------------------- questions
 
@@ -160,7 +154,7 @@ class TierIndex:
         slot, moves = found
         self._entries[key] = Entry(Tier.HOST, slot)
         self._recency[Tier.HOST][key] = None
-        self._events.append(StoreEvent("stored", key, Tier.HOST))
+        self.events.append(StoreEvent("stored", key, Tier.HOST))
         return Admission(slot, moves)
 
     def set_checksum(self, key: BlockKey, checksum: int) -> None:
@@ -187,7 +181,7 @@ class TierIndex:
         self._slots[Tier.DISK].give(disk_slot)  # reused no earlier than the next call, after the read
         entry.tier, entry.slot = Tier.HOST, host_slot
         self._recency[Tier.HOST][key] = None
-        self._events.extend((StoreEvent("removed", key, Tier.DISK), StoreEvent("stored", key, Tier.HOST)))
+        self.events.append(StoreEvent("removed", key, Tier.DISK), StoreEvent("stored", key, Tier.HOST))
         return Promotion(host_slot, disk_slot, moves)
 
     def remove(self, key: BlockKey) -> Drop | None:
@@ -197,17 +191,15 @@ class TierIndex:
             return None
         del self._recency[entry.tier][key]
         self._slots[entry.tier].give(entry.slot)
-        self._events.append(StoreEvent("removed", key, entry.tier))
+        self.events.append(StoreEvent("removed", key, entry.tier))
         return Drop(key, entry.tier, entry.slot)
 
     def clear(self) -> list[Drop]:
         return [drop for key in list(self._entries) if (drop := self.remove(key)) is not None]
 
-    def take_events(self) -> list[StoreEvent]:
-        """Blocks stored and removed since the last call, oldest first; each returned once."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+    def holdings(self) -> list[StoreEvent]:
+        """Every block held, as a "stored" event in its tier: a reader's snapshot."""
+        return [StoreEvent("stored", key, entry.tier.value) for key, entry in self._entries.items()]
 
     # ---------------------------------------------------------------- making room
 
@@ -245,6 +237,6 @@ class TierIndex:
         self._slots[Tier.HOST].give(host_slot)
         entry.tier, entry.slot, entry.pinned_until = Tier.DISK, disk_slot, 0.0
         self._recency[Tier.DISK][key] = None
-        self._events.extend((StoreEvent("removed", key, Tier.HOST), StoreEvent("stored", key, Tier.DISK)))
+        self.events.append(StoreEvent("removed", key, Tier.HOST), StoreEvent("stored", key, Tier.DISK))
         moves.append(Demote(key, host_slot, disk_slot))
         return tuple(moves)

@@ -96,6 +96,8 @@ class NodeStoreServer:
             return store.stats(), []
         if isinstance(message, wire.TierReset):
             return store.reset(), []
+        if isinstance(message, wire.TierEventsRequest):
+            return store.events(message), []
         raise RequestRefused(f"unexpected message {type(message).__name__} at a node store", code="bad_request")
 
 

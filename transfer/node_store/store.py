@@ -106,6 +106,19 @@ class NodeStore:
         blocks = [wire.TierBlock(-1, 0, checksum) for checksum in checksums]
         return wire.TierGetReply(blocks=blocks), [self.arenas.slot(slot) for slot in slots]
 
+    def events(self, request: wire.TierEventsRequest) -> wire.TierEventsReply:
+        """What the store stored and removed since the reader's last event, or all it holds."""
+        if self.index is None:  # nothing stored yet; the first put starts the log
+            return wire.TierEventsReply(snapshot=True)
+        log = self.index.events
+        events = log.since(request.epoch, request.since)
+        snapshot = events is None
+        if snapshot:
+            events = self.index.holdings()
+        return wire.TierEventsReply(epoch=log.epoch, seq=log.seq, snapshot=snapshot,
+                                    events=[wire.TierEvent(e.kind == "stored", Tier(e.tier).value, e.key)
+                                            for e in events])
+
     def stats(self) -> wire.TierStatsReply:
         counters = self.counters
         if self.index is not None:
