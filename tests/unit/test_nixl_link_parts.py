@@ -136,7 +136,6 @@ def test_registered_buffers_register_once_grow_and_leave_nothing_behind(monkeypa
     pool = RegisteredBuffers(agent, torch.device("cpu"))
 
     slot, buffer = pool.acquire(100_000)
-    assert pool.holds(buffer) and not pool.holds(torch.empty(8, dtype=torch.uint8))
     assert pool.take_new_metadata() == [b"metadata-131072"] and pool.take_new_metadata() == []
     pool.mark_sent(slot, None)
     again_slot, again = pool.acquire(90_000)  # reused as it is: no new registration, no metadata

@@ -135,6 +135,11 @@ def test_zmq_message_groups_keep_frame_order(frame_bytes, groups):
     assert message_groups(frame_bytes) == groups
 
 
+def test_a_larger_message_limit_packs_more_frames_together():  # nixl's messages
+    assert message_groups((4 * MiB, 4 * MiB, 10), limit=16 * MiB) == [range(0, 3)]
+    assert message_groups((10 * MiB, 10 * MiB, 0), limit=16 * MiB) == [range(0, 1), range(1, 3)]
+
+
 @pytest.mark.parametrize("settings, hosted", [
     (TransportSettings(), ("nccl", "zmq-ipc", "zmq-tcp")),  # what auto may choose, never gloo or fake
     (TransportSettings(backend="gloo"), ("gloo", "zmq-ipc", "zmq-tcp")),

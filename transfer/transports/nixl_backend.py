@@ -23,11 +23,14 @@ is about ownership. The receiver's memory is never open to a peer's writes, the 
 checks the header and each message's size before a byte lands in its memory, and only the
 sender needs to tell its peer about new registrations. It is also the direction of
 issue 35's next step, decode workers READing staged leases straight into their caches.
-A message is what ``packing`` groups, as on the ZeroMQ links: the sender fills message
-i+1 while the receiver reads message i.
+A message is consecutive frames of up to ``MESSAGE_BYTES`` (``packing``): the sender fills
+message i+1 while the receiver reads message i. Each message costs two notifications and a
+polled READ, so messages are larger than on the ZeroMQ links: transfers of 8-50 MB in 30
+frames ran at 0.54-0.89 times raw pyzmq ipc's speed in messages of 1 MiB, and at 1.1-1.4
+times in messages of 16 MiB (loopback, ``kvroute.bench.transfer_pair``).
 
 Phase 1 limits: a frame lent as it lies (``frame_view``) is copied into a registered
-buffer, since it is not registered itself; CUDA frames register VRAM and READ it with the
+buffer instead of filled, since it is not registered itself; CUDA frames register VRAM and READ it with the
 same calls, but have never run (no GPU here).
 
 UCX transport: left to UCX. On one host it picks cma (process_vm_readv, zero-copy) for the
@@ -54,7 +57,7 @@ from contextlib import contextmanager
 import torch
 
 from transfer.send_buffers import SendBufferPool
-from transfer.transports.base import HostedLink, LayerSink, Receiver, Sender
+from transfer.transports.base import FrameView, HostedLink, LayerSink, LayerSource, Receiver, Sender
 from transfer.transports.checksums import DIGEST_BYTES
 from transfer.transports.errors import FrameMismatch, LinkRefused, PeerLost, TransportError
 from transfer.transports.handshake import RECEIVER, SENDER
@@ -77,6 +80,7 @@ from transfer.transports.settings import LinkOptions
 
 NAME = "nixl"
 ADDRESS_PREFIX = "nixl://"
+MESSAGE_BYTES = 16 << 20
 SMALLEST_BUFFER_BYTES = 64 << 10
 QUARANTINE_SECONDS = 120.0  # longer than any transfer deadline kvroute sets
 
@@ -191,10 +195,6 @@ class RegisteredBuffers(SendBufferPool):
     def _retire(self, buffer: torch.Tensor) -> None:
         self._agent.deregister(self._registrations.pop(buffer.data_ptr()))
 
-    def holds(self, view: torch.Tensor) -> bool:
-        """Whether ``view`` is one of this pool's buffers (``acquire`` hands out their starts)."""
-        return view.data_ptr() in self._registrations
-
     def take_new_metadata(self) -> list[bytes]:
         taken, self._new_metadata = self._new_metadata, []
         return taken
@@ -237,23 +237,32 @@ class NixlSender(_NixlEnd, Sender):
         return RegisteredBuffers(self._agent, self.device)
 
     def _message_groups(self, frame_bytes: tuple[int, ...]) -> list[range]:
-        return message_groups(frame_bytes)
+        return message_groups(frame_bytes, MESSAGE_BYTES)
+
+    def _message(self, frame_bytes: tuple[int, ...], group: range, fill: LayerSource,
+                 frame_view: FrameView | None) -> tuple[int | None, torch.Tensor]:
+        """Every message is staged in a registered buffer; a frame with a view is copied from
+        it rather than filled (the view's memory is not registered, so the peer cannot READ it)."""
+        if frame_view is None:
+            return super()._message(frame_bytes, group, fill, None)
+
+        def copy_or_fill(index: int, out: torch.Tensor) -> None:
+            view = frame_view(index)
+            if view is None:
+                fill(index, out)
+            else:
+                out.copy_(view.view(torch.uint8).reshape(-1))
+
+        return super()._message(frame_bytes, group, copy_or_fill, None)
 
     def _send_header(self, packed: bytes, deadline: float) -> None:
         self._agent.notify(self._peer, Header(self._link, packed))
 
     def _send_buffer(self, buffer: torch.Tensor, deadline: float, digests: bytes | None) -> _Release:
-        slot = None
-        if not self._buffers.holds(buffer):  # a frame lent as it lies is not registered: copy it
-            slot, staged = self._buffers.acquire(buffer.numel())
-            buffer = staged.copy_(buffer)
         message, self._next_message = self._next_message, self._next_message + 1
         self._agent.notify(self._peer, Frames(self._link, message, buffer.data_ptr(), buffer.numel(),
                                               device_index(buffer), digests, self._buffers.take_new_metadata()))
-        tracker = _Release(self, message)
-        if slot is not None:
-            self._buffers.mark_sent(slot, tracker)
-        return tracker
+        return _Release(self, message)
 
     def released(self, message: int) -> bool:
         while message > self._released_through and (notice := self._poll()) is not None:
@@ -296,7 +305,7 @@ class NixlReceiver(_NixlEnd, Receiver):
 
     def _receive_frames(self, frame_bytes: tuple[int, ...], store: LayerSink, deadline: float,
                         checksummed: bool) -> None:
-        for group in message_groups(frame_bytes):
+        for group in message_groups(frame_bytes, MESSAGE_BYTES):
             frames = self._expect(Frames, deadline, f"frames {group.start}-{group.stop - 1}")
             self._check(frames, group_bytes(frame_bytes, group), DIGEST_BYTES * len(group) if checksummed else 0)
             for metadata in frames.metadata:
