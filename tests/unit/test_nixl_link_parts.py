@@ -21,6 +21,7 @@ from transfer.transports.nixl_agent import (
     Released,
     decode_notice,
     encode_notice,
+    ucx_environment,
     wait_until,
 )
 from transfer.transports.nixl_backend import (
@@ -161,3 +162,15 @@ def test_a_full_pool_deregisters_the_buffer_a_larger_one_replaces():
     slot, _ = pool.acquire(1 << 20)
     pool.mark_sent(slot, None)
     assert sorted(agent.registered.values()) == [1 << 20]
+
+
+@pytest.mark.parametrize("host, environment, added", [
+    ("127.0.0.1", {}, {"UCX_NET_DEVICES": "lo"}),
+    ("::1", {}, {"UCX_NET_DEVICES": "lo"}),
+    ("localhost", {}, {"UCX_NET_DEVICES": "lo"}),
+    ("127.0.0.1", {"UCX_NET_DEVICES": "eth0"}, {}),  # the operator's choice stands
+    ("10.0.0.7", {}, {}),  # links between hosts: UCX picks the devices
+    ("worker-3.example", {}, {}),
+])
+def test_ucx_listens_on_loopback_only_for_loopback_links(host, environment, added):
+    assert ucx_environment(host, environment) == added
