@@ -1,4 +1,4 @@
-"""The pure parts of nixl links (``transfer.transports.nixl_backend``, ``nixl_agent``):
+"""The pure parts of nixl links (``transfer.transports.nixl_backend``, ``nixl_agent``, ``nixl_buffers``):
 addresses, notices and their sorting by link, buffer sizes, registered send buffers
 against a fake agent, and how NIXL's exceptions become transport errors. None of these
 needs nixl_cu12; the contract suite runs the links themselves."""
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from transfer.transports import nixl_backend
+from transfer.transports import nixl_buffers
 from transfer.transports.errors import LinkRefused, PeerLost, TransportError, TransportTimeout
 from transfer.transports.nixl_agent import (
     Closed,
@@ -24,13 +24,8 @@ from transfer.transports.nixl_agent import (
     ucx_environment,
     wait_until,
 )
-from transfer.transports.nixl_backend import (
-    RegisteredBuffers,
-    buffer_bytes,
-    format_address,
-    parse_address,
-    translate,
-)
+from transfer.transports.nixl_backend import format_address, parse_address, translate
+from transfer.transports.nixl_buffers import ReadBuffer, RegisteredBuffers, buffer_bytes
 
 METADATA = bytes(range(256)) * 2  # every byte value, as NIXL's binary metadata may hold
 
@@ -132,7 +127,7 @@ class Pending:
 
 def test_registered_buffers_register_once_grow_and_leave_nothing_behind(monkeypatch):
     held = []
-    monkeypatch.setattr(nixl_backend, "quarantine", lambda *items: held.extend(items))
+    monkeypatch.setattr(nixl_buffers, "quarantine", lambda *items: held.extend(items))
     agent = FakeAgent()
     pool = RegisteredBuffers(agent, torch.device("cpu"))
 
@@ -174,3 +169,15 @@ def test_a_full_pool_deregisters_the_buffer_a_larger_one_replaces():
 ])
 def test_ucx_listens_on_loopback_only_for_loopback_links(host, environment, added):
     assert ucx_environment(host, environment) == added
+
+
+def test_a_read_buffer_grows_by_registering_anew_and_closes_clean():
+    agent = FakeAgent()
+    buffer = ReadBuffer(agent, torch.device("cpu"))
+    assert buffer.take(0).numel() == 0 and sorted(agent.registered.values()) == [64 << 10]
+    first = buffer.take(50_000)
+    assert buffer.take(60_000).data_ptr() == first.data_ptr()  # fits: the same registration
+    assert buffer.take(1 << 20).numel() == 1 << 20
+    assert sorted(agent.registered.values()) == [1 << 20]
+    buffer.close()
+    assert agent.registered == {}

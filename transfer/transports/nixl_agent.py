@@ -39,7 +39,7 @@ from typing import TypeVar
 import msgspec
 import torch
 
-from transfer.transports.errors import TransportTimeout
+from transfer.transports.errors import PeerLost, TransportTimeout
 
 T = TypeVar("T")
 
@@ -257,7 +257,7 @@ class Agent:
         handle = self._nixl.initialize_xfer("READ", local, remote, peer)
         if self._nixl.transfer(handle) == "ERR":
             handle.release()
-            raise OSError(f"NIXL refused a READ of {nbytes} bytes from {peer}")
+            raise PeerLost(f"nixl: a READ of {nbytes} bytes from {peer} failed at once")
         return handle
 
     def state(self, handle) -> str:

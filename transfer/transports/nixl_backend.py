@@ -41,8 +41,8 @@ peer-failure handler, which the shared-memory transports lack). UCX's tcp listen
 
 Failures: every wait polls against the caller's deadline. A closing end tells its peer
 (Closed), so the peer fails at once rather than at its deadline. Memory a peer might still
-be READing, or a READ might still be writing, is never freed on failure: it is held for
-``QUARANTINE_SECONDS`` first.
+be READing, or a READ might still be writing, is held a while before it is freed
+(``nixl_buffers``).
 """
 
 from __future__ import annotations
@@ -50,14 +50,12 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from transfer.send_buffers import SendBufferPool
 from transfer.transports.base import FrameView, HostedLink, LayerSink, LayerSource, Receiver, Sender
 from transfer.transports.checksums import DIGEST_BYTES
 from transfer.transports.errors import FrameMismatch, LinkRefused, PeerLost, TransportError
@@ -76,33 +74,13 @@ from transfer.transports.nixl_agent import (
     nixl_missing,
     wait_until,
 )
+from transfer.transports.nixl_buffers import ReadBuffer, RegisteredBuffers
 from transfer.transports.packing import group_bytes, message_groups, store_group
 from transfer.transports.settings import LinkOptions
 
 NAME = "nixl"
 ADDRESS_PREFIX = "nixl://"
 MESSAGE_BYTES = 16 << 20
-SMALLEST_BUFFER_BYTES = 64 << 10
-QUARANTINE_SECONDS = 120.0  # longer than any transfer deadline kvroute sets
-
-_quarantine: list[tuple[float, object]] = []
-_quarantine_lock = threading.Lock()
-
-
-def quarantine(*held: object) -> None:
-    """Keep ``held`` alive for QUARANTINE_SECONDS; let go of what was held long enough."""
-    now = time.monotonic()
-    with _quarantine_lock:
-        _quarantine[:] = [(until, item) for until, item in _quarantine if until > now]
-        _quarantine.extend((now + QUARANTINE_SECONDS, item) for item in held)
-
-
-def buffer_bytes(nbytes: int) -> int:
-    """A registered buffer's size for a message of ``nbytes``: the next power of two, so
-    transfers of varying sizes reuse a few registrations instead of making new ones."""
-    return max(SMALLEST_BUFFER_BYTES, 1 << max(nbytes - 1, 0).bit_length())
-
-
 def format_address(link: str, metadata: bytes) -> str:
     return f"{ADDRESS_PREFIX}{link}/{base64.urlsafe_b64encode(metadata).decode()}"
 
@@ -173,41 +151,6 @@ class _NixlEnd:
             self._agent.drop_peer(self._peer)
         except Exception:  # noqa: BLE001 - NIXL may refuse while a READ of it is stuck
             pass
-
-
-class RegisteredBuffers(SendBufferPool):
-    """Send buffers registered with the sender's agent when made, and deregistered when a
-    larger one replaces them; the partial metadata of each new one waits in
-    ``take_new_metadata`` for the next Frames notice."""
-
-    def __init__(self, agent: Agent, device: torch.device, max_buffers: int = 96):
-        super().__init__(max_buffers=max_buffers, device=device)
-        self._agent = agent
-        self._registrations: dict[int, object] = {}  # a buffer's address -> its registration
-        self._new_metadata: list[bytes] = []
-
-    def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        buffer = super()._new_buffer(buffer_bytes(nbytes))
-        registration, metadata = self._agent.register(buffer)
-        self._registrations[buffer.data_ptr()] = registration
-        self._new_metadata.append(metadata)
-        return buffer
-
-    def _retire(self, buffer: torch.Tensor) -> None:
-        self._agent.deregister(self._registrations.pop(buffer.data_ptr()))
-
-    def take_new_metadata(self) -> list[bytes]:
-        taken, self._new_metadata = self._new_metadata, []
-        return taken
-
-    def close(self) -> None:
-        """Deregister every buffer; those a peer may still be reading are quarantined."""
-        in_flight = [self._buffers[slot] for slot, _ in self._in_flight]
-        for registration in self._registrations.values():
-            self._agent.deregister(registration)
-        self._registrations.clear()
-        if in_flight:
-            quarantine(*in_flight)
 
 
 class _Release:
@@ -284,8 +227,7 @@ class NixlReceiver(_NixlEnd, Receiver):
         Receiver.__init__(self, options)
         self._attach(agent, link, peer)
         self._next_message = 0
-        self._buffer: torch.Tensor | None = None
-        self._registration = None
+        self._buffer = ReadBuffer(agent, self.device)
         self._reading = None  # a READ's handle while it may still write into the buffer
 
     @property
@@ -323,7 +265,7 @@ class NixlReceiver(_NixlEnd, Receiver):
         self._next_message += 1
 
     def _read(self, frames: Frames, deadline: float) -> torch.Tensor:
-        into = self._read_buffer(frames.nbytes)
+        into = self._buffer.take(frames.nbytes)
         if frames.nbytes == 0:
             return into
         self._reading = self._agent.read(into, self._peer, frames.address, frames.device)
@@ -339,27 +281,14 @@ class NixlReceiver(_NixlEnd, Receiver):
         state = self._agent.state(self._reading)
         return None if state == "PROC" else state
 
-    def _read_buffer(self, nbytes: int) -> torch.Tensor:
-        """A registered buffer of at least ``nbytes``, grown (and registered anew) when smaller."""
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._release_buffer()
-            self._buffer = torch.empty(buffer_bytes(nbytes), dtype=torch.uint8, device=self.device)
-            self._registration, _ = self._agent.register(self._buffer)
-        return self._buffer[:nbytes]
-
-    def _release_buffer(self) -> None:
-        if self._registration is not None:
-            self._agent.deregister(self._registration)
-        self._buffer = self._registration = None
-
     def _close(self) -> None:
         if self._reading is not None:  # a READ that timed out may still write into the buffer
             try:
                 self._reading.release()
             except Exception:  # noqa: BLE001 - NIXL could not cancel it: keep its memory alive
-                quarantine(self._reading, self._buffer)
+                self._buffer.quarantine(self._reading)
         self._leave("the receiver closed the link")
-        self._release_buffer()
+        self._buffer.close()
 
 
 class NixlBackend:
