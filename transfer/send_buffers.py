@@ -95,6 +95,7 @@ class SendBufferPool:
     def _allocate(self, nbytes: int) -> int:
         if len(self._buffers) >= self._max_buffers:
             slot = self._reclaim()
+            self._retire(self._buffers[slot])
             self._buffers[slot] = self._new_buffer(nbytes)
             return slot
         self._buffers.append(self._new_buffer(nbytes))
@@ -102,6 +103,10 @@ class SendBufferPool:
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _retire(self, buffer: torch.Tensor) -> None:
+        """A buffer that a larger one replaces; a pool whose buffers are registered somewhere
+        (``nixl_backend``) deregisters it here."""
 
     def _reclaim(self) -> int:
         """A slot to give a new, larger buffer: the smallest free one (every free one is too

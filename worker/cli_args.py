@@ -72,7 +72,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-link", default=defaults.transfer_link, choices=LINK_CHOICES,
                         help="how pulled KV travels: 'endpoint', back on the pull's own connection, or a "
                              "transport link per worker pair: 'auto' (CUDA caches: nccl; one host: zmq-ipc; "
-                             "else zmq-tcp) or a backend forcing it (default: %(default)s)")
+                             "else zmq-tcp) or a backend forcing it: zmq-tcp, zmq-ipc, gloo, nccl, nixl (NIXL "
+                             "one-sided READs; needs nixl-cu12) (default: %(default)s)")
     parser.add_argument("--transfer-link-hosts", default=defaults.transfer_link_hosts,
                         help="link backends this worker's transfer endpoint hosts when a consumer asks, "
                              "comma-separated, e.g. 'zmq-ipc,zmq-tcp,gloo' (default: what --transfer-link "

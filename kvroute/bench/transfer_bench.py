@@ -6,7 +6,8 @@ Phases, each writing into one results document::
                seconds of every prompt length (skipped with --no-engine: the layout then
                comes from the model's config.json and the dtype a worker would pick)
     loopback   zmq-tcp, zmq-ipc and gloo against their raw baselines (transfer_pair), the
-               zmq links under the cluster keys' CURVE encryption, as workers run them
+               zmq links under the cluster keys' CURVE encryption, as workers run them;
+               nixl too where nixl_cu12 is installed, against raw pyzmq over ipc
     encryption zmq-tcp and zmq-ipc links with transfer encryption on and off, against raw
                pyzmq, at three sizes (skipped with --no-encryption)
     shaped     per rate, two fresh network namespaces joined by a tc-shaped veth pair;
@@ -20,6 +21,7 @@ stopped before any transfer is timed, so its threads do not compete for the core
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -33,8 +35,15 @@ from foundation import cluster_keys, config
 from foundation.config import setting
 
 LOOPBACK_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo")
+NIXL_MISSING = "nixl_cu12 is not installed (pip install --no-deps nixl-cu12==1.5.1)"
 ENCRYPTION_BACKENDS = ("zmq-tcp", "zmq-ipc")
 SHAPED_BACKENDS = ("zmq-tcp", "gloo")  # tcp underneath: the only traffic tc shapes
+
+
+def loopback_backends() -> tuple[str, ...]:
+    """The loopback phase's backends: nixl joins where its wheel is installed (looked up,
+    not imported, so this command stays quick to load)."""
+    return LOOPBACK_BACKENDS + (("nixl",) if importlib.util.find_spec("nixl_cu12") else ())
 
 
 @dataclass(frozen=True)

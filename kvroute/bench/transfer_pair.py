@@ -9,8 +9,10 @@ and bound to its own address::
 
 Per backend and transfer size both the backend's link (``transfer.transports``) and its
 raw baseline move the same bytes in the same frames: plain pyzmq PUSH/PULL zero-copy over
-the backend's own transport (``transfer_raw_push``) or plain torch.distributed send/recv
-(``transfer_raw_dist``). Nothing is gathered or scattered: it is the transport alone.
+the backend's own transport (``transfer_raw_push``; over ipc for nixl, whose links move
+bytes within one host here, so it is held against the fastest raw path between two
+processes) or plain torch.distributed send/recv (``transfer_raw_dist``). Nothing is
+gathered or scattered: it is the transport alone.
 Both start the same way, on the same command over the same pipe, and timing runs on the
 receiving side from that command to the last frame; one warm-up each, then the
 repetitions interleaved so drift hits both alike; medians are reported. Ratio = raw
@@ -40,7 +42,9 @@ from transfer.transports.control import ConnectionChannel
 from transfer.transports.links import open_receiver, open_sender
 from transfer.transports.settings import TransportSettings
 
-RAW_BASELINE = {"zmq-tcp": "raw pyzmq tcp", "zmq-ipc": "raw pyzmq ipc", "gloo": "raw torch.distributed"}
+RAW_BASELINE = {"zmq-tcp": "raw pyzmq tcp", "zmq-ipc": "raw pyzmq ipc", "gloo": "raw torch.distributed",
+                "nixl": "raw pyzmq ipc"}
+RAW_ZMQ_TRANSPORT = {"zmq-tcp": "tcp", "zmq-ipc": "ipc", "nixl": "ipc"}  # the backends held against raw pyzmq
 SENDER_RANK, RECEIVER_RANK = 1, 0  # of the raw Gloo group, which the receiving process hosts
 DEADLINE_SECONDS = 120.0
 
@@ -80,7 +84,7 @@ def stand_in_layout(num_frames: int) -> KVLayoutSpec:
 
 
 def _raw_zmq_bind_address(backend: str, host: str) -> str:
-    return transfer_raw.ipc_bind_address() if backend == "zmq-ipc" else f"tcp://{host}:*"
+    return transfer_raw.ipc_bind_address() if RAW_ZMQ_TRANSPORT[backend] == "ipc" else f"tcp://{host}:*"
 
 
 # ---------------------------------------------------------------- the sending process
@@ -194,7 +198,7 @@ class Measurement:
 
     def open_raw(self) -> None:
         for backend in self.plan.backends:
-            if backend.startswith("zmq"):
+            if backend in RAW_ZMQ_TRANSPORT:
                 address = self.ask("raw-zmq-open", backend, _raw_zmq_bind_address(backend, self.plan.sender.host))
                 self.raw_zmq[backend] = RawPull(address)
         if "gloo" in self.plan.backends:
@@ -223,7 +227,7 @@ class Measurement:
                                                                    self.transfer_id, checksummed=checksummed))
 
     def raw_seconds(self, backend: str, frame_bytes: int) -> float:
-        if backend.startswith("zmq"):
+        if backend in RAW_ZMQ_TRANSPORT:
             return self._timed(("raw-zmq-send", backend, frame_bytes, self.num_frames),
                                lambda: self.raw_zmq[backend].receive(frame_bytes, self.num_frames, DEADLINE_SECONDS))
         if frame_bytes not in self.raw_buffers:  # one size held at a time

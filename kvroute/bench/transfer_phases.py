@@ -15,10 +15,11 @@ from kvroute.bench import transfer_calibration, transfer_report
 from kvroute.bench.progress import Bar, track
 from kvroute.bench.transfer_bench import (
     ENCRYPTION_BACKENDS,
-    LOOPBACK_BACKENDS,
+    NIXL_MISSING,
     SHAPED_BACKENDS,
     TransferBenchSettings,
     describe_run,
+    loopback_backends,
 )
 from kvroute.bench.transfer_netns import (
     RECEIVER_ADDRESS,
@@ -51,7 +52,10 @@ class Phases:
             phase.step("engine")
             self.measure_engine()
             phase.step("loopback")
-            self.measure_link(LOOPBACK, LOOPBACK_BACKENDS, self.lengths, PairEnd(), PairEnd())
+            backends = loopback_backends()
+            if "nixl" not in backends:
+                self.results["skipped"]["nixl"] = NIXL_MISSING
+            self.measure_link(LOOPBACK, backends, self.lengths, PairEnd(), PairEnd())
             phase.step("encryption")
             if self.settings.encryption:
                 self.measure_encryption()

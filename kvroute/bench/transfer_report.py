@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 PLOT_NAME = "transfer_vs_recompute.png"
-_COLORS = {"zmq-tcp": "tab:blue", "zmq-ipc": "tab:green", "gloo": "tab:orange", "nccl": "tab:red"}
+_COLORS = {"zmq-tcp": "tab:blue", "zmq-ipc": "tab:green", "gloo": "tab:orange", "nccl": "tab:red",
+           "nixl": "tab:purple"}
 
 
 def _ms(seconds: float | None) -> str:

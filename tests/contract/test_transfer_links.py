@@ -1,5 +1,5 @@
 """Pulls whose layers travel over a transport link (``transfer.link_control``), against a
-real BlockServer: each backend that runs here (zmq-tcp, zmq-ipc, Gloo) moves delta and
+real BlockServer: each backend that runs here (zmq-tcp, zmq-ipc, Gloo, NIXL) moves delta and
 staged pulls bit-exactly, a link is opened once per pair and reused, and a failed or
 refused pull closes it so the next pull opens a new one."""
 
@@ -15,11 +15,13 @@ from tests.contract.transfer_endpoint import DEADLINE_SECONDS, PARK_SECONDS, Pro
 from tests.paged_caches import CONSUMER_BLOCKS, NUM_LAYERS, block_bytes, make_cache
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.link_control import ConsumerLink, open_consumer_link, pull_over_link
+from transfer.transports.nixl_agent import nixl_missing
 from transfer.transports.settings import TransportSettings
 
 pytestmark = pytest.mark.timeout(90)
 
-BACKENDS = ["zmq-tcp", "zmq-ipc", "gloo"]
+BACKENDS = ["zmq-tcp", "zmq-ipc", "gloo",
+            pytest.param("nixl", marks=pytest.mark.skipif(bool(nixl_missing()), reason="nixl_cu12 is not installed"))]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -25,6 +25,7 @@ from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.transports.control import ConnectionChannel
 from transfer.transports.errors import FrameMismatch, LinkClosed, TransportError, TransportTimeout
 from transfer.transports.links import open_receiver, open_sender
+from transfer.transports.nixl_agent import nixl_missing
 from transfer.transports.settings import TransportSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +39,9 @@ SLACK_SECONDS = 1.5
 
 _two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                reason="NCCL needs two CUDA devices (one per end)")
-BACKENDS = ["fake", "zmq-tcp", "zmq-ipc", "gloo", pytest.param("nccl", marks=_two_gpus)]
+_nixl = pytest.mark.skipif(bool(nixl_missing()), reason="nixl_cu12 is not installed")
+BACKENDS = ["fake", "zmq-tcp", "zmq-ipc", "gloo", pytest.param("nccl", marks=_two_gpus),
+            pytest.param("nixl", marks=_nixl)]
 DEVICES = {"nccl": ("cuda:0", "cuda:1")}  # (sender, receiver); every other backend: host memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -346,7 +349,7 @@ def test_sending_to_a_closed_receiver_never_hangs(links):
 
 
 DEAD_PEER_SHAPE, DEAD_PEER_DTYPE, DEAD_PEER_SEED = "blocks-first-h4-b16-d32", torch.bfloat16, 31
-KILLABLE_BACKENDS = ["zmq-tcp", "zmq-ipc", "gloo"]
+KILLABLE_BACKENDS = ["zmq-tcp", "zmq-ipc", "gloo", *([] if nixl_missing() else ["nixl"])]
 
 
 def _sender_process(backend: str, connection, ready) -> None:

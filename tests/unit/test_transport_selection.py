@@ -53,6 +53,20 @@ def test_refused_choices_say_why(local, remote, reason):
         choose_backend(local, remote)
 
 
+def test_nixl_runs_only_when_forced():
+    both_take_it = [*CPU_BACKENDS, "nixl"]
+    assert choose_backend(hello(backends=both_take_it), hello(RECEIVER, backends=both_take_it)) == "zmq-ipc"
+    forced = hello(backends=both_take_it, requested="nixl")
+    assert choose_backend(forced, hello(RECEIVER, backends=both_take_it)) == "nixl"
+
+
+def test_forcing_nixl_without_nixl_cu12_says_what_to_install(monkeypatch):
+    from transfer.transports import nixl_backend
+    monkeypatch.setattr(nixl_backend, "nixl_missing", lambda: "nixl_cu12 cannot be imported (No module)")
+    with pytest.raises(LinkRefused, match=r"backend nixl cannot run on the local end.*nixl_cu12 cannot be imported"):
+        choose_backend(hello(requested="nixl"), hello(RECEIVER, backends=[*CPU_BACKENDS, "nixl"]))
+
+
 def test_layout_differences_name_each_field():
     other = KVLayoutSpec(dtype="float16", num_layers=30, block_dim=0, block_shape=[2, 4, 128, 64],
                          block_size=128, bytes_per_block=LAYOUT.bytes_per_block)
@@ -121,11 +135,17 @@ def test_zmq_message_groups_keep_frame_order(frame_bytes, groups):
     assert message_groups(frame_bytes) == groups
 
 
+def test_a_larger_message_limit_packs_more_frames_together():  # nixl's messages
+    assert message_groups((4 * MiB, 4 * MiB, 10), limit=16 * MiB) == [range(0, 3)]
+    assert message_groups((10 * MiB, 10 * MiB, 0), limit=16 * MiB) == [range(0, 1), range(1, 3)]
+
+
 @pytest.mark.parametrize("settings, hosted", [
     (TransportSettings(), ("nccl", "zmq-ipc", "zmq-tcp")),  # what auto may choose, never gloo or fake
     (TransportSettings(backend="gloo"), ("gloo", "zmq-ipc", "zmq-tcp")),
     (TransportSettings(backend="zmq-tcp"), ("zmq-tcp", "zmq-ipc")),
     (TransportSettings(backend="fake"), ("fake", "zmq-ipc", "zmq-tcp")),  # tests force it on both ends
+    (TransportSettings(backend="nixl"), ("nixl", "zmq-ipc", "zmq-tcp")),  # forced only: auto never hosts it
     (TransportSettings(hosted=("zmq-tcp",)), ("zmq-tcp",)),
 ])
 def test_a_sender_hosts_what_it_was_configured_for(settings, hosted):

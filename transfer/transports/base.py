@@ -98,7 +98,11 @@ class _LinkEnd(ABC):
 class Sender(_LinkEnd):
     def __init__(self, options: LinkOptions):
         super().__init__(options)
-        self._buffers = SendBufferPool(device=options.device)
+        self._buffers = self._new_buffer_pool()
+
+    def _new_buffer_pool(self) -> SendBufferPool:
+        """Where messages are filled; a backend whose peer reads them in place registers them."""
+        return SendBufferPool(device=self.device)
 
     def send(self, frame_bytes: Sequence[int], fill: LayerSource, deadline: float,
              transfer_id: int = 0, frame_view: FrameView | None = None, checksummed: bool = False) -> int:

@@ -15,11 +15,11 @@ from transfer.transports.checksums import check_frame
 MESSAGE_BYTES = 1 << 20
 
 
-def message_groups(frame_bytes: tuple[int, ...]) -> list[range]:
-    """Frames packed in order into messages of up to MESSAGE_BYTES (a larger frame goes alone)."""
+def message_groups(frame_bytes: tuple[int, ...], limit: int = MESSAGE_BYTES) -> list[range]:
+    """Frames packed in order into messages of up to ``limit`` bytes (a larger frame goes alone)."""
     groups, start, size = [], 0, 0
     for index, nbytes in enumerate(frame_bytes):
-        if index > start and size + nbytes > MESSAGE_BYTES:
+        if index > start and size + nbytes > limit:
             groups.append(range(start, index))
             start, size = index, 0
         size += nbytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from foundation.wire import LinkHello
-from transfer.transports import distributed, fake, zmq_backend
+from transfer.transports import distributed, fake, nixl_backend, zmq_backend
 from transfer.transports.base import Backend
 from transfer.transports.errors import LinkRefused
 from transfer.transports.settings import AUTO, TransportSettings
@@ -28,6 +28,7 @@ BACKENDS: dict[str, Backend] = {
     "zmq-ipc": zmq_backend.IPC,
     "gloo": distributed.GLOO,
     "nccl": distributed.NCCL,
+    "nixl": nixl_backend.NIXL,  # forced only, for now: not in AUTOMATIC
 }
 
 
@@ -69,9 +70,17 @@ def choose_backend(local: LinkHello, remote: LinkHello) -> str:
     backend(name)  # an unknown name is refused with the list of known ones
     for end, hello in (("local", local), ("remote", remote)):
         if name not in hello.backends:
+            why = _why_not(name) if end == "local" else ""
             raise LinkRefused(f"backend {name} cannot run on the {end} end, or is not one it takes "
-                              f"({hello.device} frames; it takes {hello.backends})")
+                              f"({hello.device} frames; it takes {hello.backends}){why}")
     return name
+
+
+def _why_not(name: str) -> str:
+    """A backend's own reason it cannot run in this process, where it has one (nixl)."""
+    unavailable = getattr(backend(name), "unavailable", None)
+    reason = unavailable() if unavailable is not None else ""
+    return f": {reason}" if reason else ""
 
 
 def _automatic(local: LinkHello, remote: LinkHello) -> str:
