@@ -3,6 +3,8 @@ throughs, the views the planner gets, and what a tier changes in a simulated run
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from foundation import identity
@@ -17,6 +19,7 @@ from simulator.requests import TokenRequest
 from simulator.sequence import RequestState
 from tests.unit.sim_requests import BLOCK, engine_request, tokens
 from tests.unit.test_simulator import run_engine
+from transfer.node_store.index import Tier, TierIndex
 
 ENGINE = EngineConfig(num_blocks=64, block_size=BLOCK)  # 1,024 tokens: one 640-token prompt and a little more
 CALIBRATION = SimCalibration()
@@ -59,14 +62,50 @@ def test_without_a_disk_tier_the_oldest_blocks_are_dropped():
 
 
 def test_a_write_through_stores_each_block_once_and_the_holdings_follow_the_store():
-    store, holdings = store_with(host=8, disk=8), TierHoldings()
+    store, holdings, key = store_with(host=8, disk=8), TierHoldings(), ("node-0", "")
     prompt = blocks_of(tokens(1, 6 * BLOCK))
     assert (store.write(prompt[:4]), store.write(prompt)) == (4, 2)
-    assert store.num_written == 6 and store.index.events.seq == 6  # no event for a block held already
+    first = store.take_events()
+    assert store.num_written == 6 and len(first.events) == 6  # no event for a block held already
+    holdings.apply(key, first)
     store.write(blocks_of(tokens(2, 4 * BLOCK)))  # two of ``prompt`` to disk
-    holdings.apply(("node-0", ""), store.take_events())
-    assert holdings.run(("node-0", ""), prompt, 0) == store.held_run(prompt, 0, len(prompt)) == TierRun(4, 2)
+    holdings.apply(key, store.take_events())
+    assert holdings.run(key, prompt, 0) == store.held_run(prompt, 0, len(prompt)) == TierRun(4, 2)
     assert store.take_events().events == []  # each event handed over once
+
+
+@pytest.mark.parametrize("disk", [0, 1, 3])
+def test_the_store_moves_blocks_as_kvroutes_node_store_index_does(disk):
+    """Random write-throughs and loads on the simulated store and on ``TierIndex``, driven as
+    the store process drives it (a read pins its host blocks, then brings each disk block
+    back and pins it; pins last until the next call): the same blocks in the same tiers,
+    and the same events, after every call. A disk block that the read's own promotions
+    pushed off a small disk tier is skipped (the store process would refuse the read)."""
+    ours, theirs = store_with(host=5, disk=disk), TierIndex(5, disk)
+    blocks = [block for label in range(4) for block in blocks_of(tokens(label, 4 * BLOCK))]
+    chooser = random.Random(disk)
+    for now in range(300):
+        start = chooser.randrange(len(blocks))
+        wanted = blocks[start:start + chooser.randint(1, 4)]
+        keys = [block.to_bytes(16, "little") for block in wanted]
+        if chooser.random() < 0.5:
+            ours.write(wanted)
+            for key in theirs.lacking(keys):
+                theirs.admit(key, now)
+        else:
+            held = ours.held_run(wanted, 0, len(wanted)).blocks
+            assert held == theirs.leading(keys)
+            ours.load(wanted, 0, held)
+            theirs.pin([key for key in keys[:held] if theirs.entry(key).tier is Tier.HOST], now + 0.5)
+            for key in keys[:held]:
+                if (entry := theirs.entry(key)) is not None and entry.tier is Tier.DISK:
+                    theirs.promote(key, now)
+                    theirs.pin([key], now + 0.5)
+        for block, key in zip(blocks, (block.to_bytes(16, "little") for block in blocks)):
+            entry = theirs.entry(key)
+            assert ours.tier_of(block) == (entry and entry.tier.value)
+    seen = [(event.stored, event.tier, event.key) for event in ours.take_events().events]
+    assert seen == [(e.kind == "stored", e.tier.value, e.key) for e in theirs.events.since(theirs.events.epoch, 0)]
 
 
 def test_workers_are_grouped_into_nodes_in_order():
