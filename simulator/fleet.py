@@ -11,7 +11,10 @@ from what a worker's heartbeat reports (``worker.process.WorkerProcess.load``):
 * ``in_flight``: requests placed on this worker that have not finished, counted on every
   worker of the plan until the whole request ends, as ``Fleet.track`` does;
 * ``cached_blocks``: from ``PrefixIndex.match`` over the prompt's chained hashes, and
-  ``followable_blocks`` from it as the service does (``orchestrator.followers``).
+  ``followable_blocks`` from it as the service does (``orchestrator.followers``);
+* ``tier_host_blocks`` / ``tier_disk_blocks``: with node stores (``simulator.node_store``),
+  the run of prompt blocks past ``cached_blocks`` that the worker's node store holds, from
+  the production ``TierHoldings``, fed each store's events as soon as it changes (exact).
 
 The index is the production one, fed the way vLLM's KV events feed it in service: each
 engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. By default
@@ -39,7 +42,9 @@ from orchestrator.index import PrefixIndex
 from orchestrator.planner.candidates import load_key
 from orchestrator.planner.pools import LazyPool, LoadKey
 from orchestrator.planner.views import WorkerView
+from orchestrator.tier_holdings import NO_RUN, TierHoldings
 from simulator.engine import Engine, EngineConfig
+from simulator.node_store import NodeStore, TierSettings, node_names
 from simulator.sequence import Admission
 
 
@@ -83,12 +88,14 @@ class ActiveStep:
 
 class SimWorker:
     def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int,
-                 stats_at_step_end: bool = False, position: int = 0, changed: set[int] | None = None):
+                 stats_at_step_end: bool = False, position: int = 0, changed: set[int] | None = None,
+                 store: NodeStore | None = None):
         self.worker_id = worker_id
         self.position = position  # in its pool
         self._changed = changed if changed is not None else set()  # its pool's workers touched since read
         self.role = role
-        self.engine = Engine(config)
+        self.store = store  # its node's KV store (None: no node tier)
+        self.engine = Engine(config, store)
         self.bytes_per_block = bytes_per_token * config.block_size
         self.in_flight = 0
         self.active: ActiveStep | None = None
@@ -161,7 +168,8 @@ def with_head_elapsed(view: WorkerView, seconds: float) -> WorkerView:
 
 class SimFleet:
     def __init__(self, num_prefill: int, num_decode: int, prefill_config: EngineConfig,
-                 decode_config: EngineConfig, bytes_per_token: int, stats_at_step_end: bool = False):
+                 decode_config: EngineConfig, bytes_per_token: int, stats_at_step_end: bool = False,
+                 tier: TierSettings = TierSettings()):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("the service needs a live prefill and a live decode worker; so does the simulator")
         if prefill_config.block_size != decode_config.block_size:
@@ -174,10 +182,14 @@ class SimFleet:
         # those touched since (so a decision re-reads the few that changed, not all 1,000).
         self._changed: dict[str, set[int]] = {role: set(range(size)) for role, size in sizes.items()}
         self._load_keys: dict[str, list[LoadKey | None]] = {role: [None] * size for role, size in sizes.items()}
+        ids = {role: [f"{role}-{i:0{width}d}" for i in range(size)] for role, size in sizes.items()}
+        self.stores = node_stores(ids["prefill"] + ids["decode"], tier)  # worker id → its node's store
+        self.tiers = TierHoldings()  # what the stores hold, as the orchestrator knows it
         self.pools: dict[str, list[SimWorker]] = {
-            role: [SimWorker(f"{role}-{i:0{width}d}", role, configs[role], bytes_per_token, stats_at_step_end,
-                             i, self._changed[role]) for i in range(size)]
-            for role, size in sizes.items()}
+            role: [SimWorker(worker_id, role, configs[role], bytes_per_token, stats_at_step_end, i,
+                             self._changed[role], self.stores.get(worker_id))
+                   for i, worker_id in enumerate(ids[role])]
+            for role in sizes}
         self.workers = {w.worker_id: w for pool in self.pools.values() for w in pool}
         self.index = PrefixIndex()
         for worker_id in self.workers:
@@ -188,17 +200,32 @@ class SimFleet:
         for event in worker.engine.pool.take_events():
             self.index.apply(worker.worker_id, event)
 
+    def publish_store(self, store: NodeStore) -> None:
+        """Hand a store's events to the holdings, as the tier sync does (at once: views are exact)."""
+        self.tiers.apply((store.name, ""), store.take_events())
+
+    def write_through(self, worker: SimWorker) -> None:
+        """Store what the requests that ended on ``worker`` computed themselves in its node's store."""
+        saves = worker.engine.take_saves()
+        for blocks in saves:
+            worker.store.write(blocks)
+        if saves:
+            self.publish_store(worker.store)
+
     def views(self, role: str, block_hashes: list[BlockHash], matches: dict[str, int], now: float) -> LazyPool:
         workers = self.pools[role]
 
         def build(position: int) -> WorkerView:
             worker, blocks = workers[position], cached[position]
             view = worker.view(now)
-            if not blocks:
+            tier = NO_RUN if worker.store is None else self.tiers.run((worker.store.name, ""), block_hashes, blocks)
+            if not blocks and tier is NO_RUN:
                 return view
             followable = followable_blocks(self.index, worker.worker_id, block_hashes, blocks,
-                                           worker.queue_order(), view.prompt_step_cap, self.block_size)
-            return replace(view, cached_blocks=blocks, followable_blocks=followable)
+                                           worker.queue_order(), view.prompt_step_cap,
+                                           self.block_size) if blocks else None
+            return replace(view, cached_blocks=blocks, followable_blocks=followable,
+                           tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks)
 
         load_keys, changed = self._load_keys[role], self._changed[role]
         for position in changed:
@@ -211,3 +238,12 @@ class SimFleet:
                 cached[worker.position] = blocks
         # The pool shares the key list: it is read within this decision, before any worker changes.
         return LazyPool(load_keys, cached, build)
+
+
+def node_stores(worker_ids: list[str], tier: TierSettings) -> dict[str, NodeStore]:
+    """Worker id → the store of its node (``node_store.node_names``); none without a tier."""
+    if not tier.enabled:
+        return {}
+    nodes = node_names(worker_ids, tier.workers_per_node)
+    stores = {name: NodeStore(name, tier) for name in sorted(set(nodes.values()))}
+    return {worker_id: stores[name] for worker_id, name in nodes.items()}

@@ -8,6 +8,8 @@
       ├─ LOCAL d:     d prefills (token 1) and decodes 2..N
       └─ DISAGG p→d:  p prefills (token 1) ─▶ d admits it (local hit, blocks) ─▶ pull of the
                       prompt blocks d lacks over d's link ─▶ d decodes 2..N
+    (with node stores: a prefilling engine first loads what its node's store holds past its
+     own hit, then computes the rest; a request that ends writes what it computed through)
 
 It mirrors ``orchestrator.service.CompletionService``: the same index lookup and views
 feed the same policy objects, a plan's workers count the request in flight until it
@@ -40,6 +42,7 @@ from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import Policy
 from orchestrator.planner.views import Decision, PlanKind, RequestView
+from orchestrator.tier_holdings import TierRun
 from simulator.calibration import SimCalibration
 from simulator.cpu import Cores, CpuSettings, core_bindings
 from simulator.events import EventQueue
@@ -83,6 +86,9 @@ class Flight:
     second_token_at: float | None = None
     last_token_at: float | None = None
     cached_tokens: int = 0
+    tier_tokens: int = 0
+    tier_disk_tokens: int = 0
+    tier_load_seconds: float = 0.0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
 
@@ -215,6 +221,8 @@ class Simulation:
         worker.touch()
         for request, num_blocks in admission.pulls:
             self._start_pull(worker, request, num_blocks)
+        for request, run in admission.loads:
+            self._start_load(worker, request, run)
         for request in admission.admitted:
             flight = self.flights[request.request_id]
             if flight.prefill_started_at is None and worker.worker_id == flight.prefilling_worker:
@@ -239,6 +247,8 @@ class Simulation:
         produced = worker.engine.complete(active.admission, active.started_at, active.seconds_per_step(self.now))
         worker.report()
         self.fleet.publish(worker)
+        if worker.store is not None:
+            self.fleet.write_through(worker)
         worker.touch()
         for tokens in produced:
             self._tokens(worker, tokens)
@@ -269,6 +279,23 @@ class Simulation:
         flight.transfer_seconds = arrives_at - self.now
         self.clock.at(arrives_at, self._pulled, worker, request)
 
+    def _start_load(self, worker: SimWorker, request: EngineRequest, run: TierRun) -> None:
+        """The engine reads ``run`` from its node's store, after its own hit, then computes the rest."""
+        worker.store.load(request.block_keys, request.num_registered, run.blocks)
+        self.fleet.publish_store(worker.store)
+        seconds = self.calibration.tier_load_seconds(run.host_blocks, run.disk_blocks, worker.bytes_per_block)
+        flight = self.flights[request.request_id]
+        if flight.prefill_started_at is None:
+            flight.prefill_started_at = self.now
+            flight.tier_load_seconds = seconds
+        self.clock.at(self.now + seconds, self._loaded, worker, request, run.blocks)
+
+    def _loaded(self, worker: SimWorker, request: EngineRequest, num_blocks: int) -> None:
+        worker.engine.tier_loaded(request, num_blocks)
+        self.fleet.publish(worker)
+        worker.touch()
+        self._wake(worker)
+
     def _pull_refused(self, worker: SimWorker, request: EngineRequest) -> None:
         worker.engine.pull_failed(request)
         worker.touch()
@@ -287,7 +314,9 @@ class Simulation:
         if flight.tokens_out == 0:
             self.fleet.index.settle(worker.worker_id, flight.request_id, self.now)
             flight.first_token_at = produced.first_at
-            flight.cached_tokens = produced.request.cached_tokens or 0
+            first = produced.request
+            flight.cached_tokens = (first.cached_tokens or 0) + first.tier_tokens  # as vLLM counts them
+            flight.tier_tokens, flight.tier_disk_tokens = first.tier_tokens, first.tier_disk_tokens
         if flight.tokens_out < 2 <= flight.tokens_out + produced.count:
             flight.second_token_at = produced.token_at(1 - flight.tokens_out)
         flight.tokens_out += produced.count
@@ -339,7 +368,10 @@ class Simulation:
         gap = None if flight.second_token_at is None else flight.second_token_at - flight.first_token_at
         return replace(record, plan=plan.kind.value, prefill_worker=flight.prefilling_worker,
                        decode_worker=plan.decode_worker, cached_tokens=flight.cached_tokens,
+                       tier_tokens=flight.tier_tokens, tier_disk_tokens=flight.tier_disk_tokens,
+                       tier_load_seconds=flight.tier_load_seconds,
                        predicted_reused_tokens=estimate.reused_tokens if estimate else 0,
+                       predicted_tier_tokens=estimate.tier_tokens if estimate else 0,
                        estimated_ttft_seconds=estimate.ttft if estimate else None,
                        queue_seconds=flight.prefill_started_at - arrival,
                        ttft_seconds=flight.first_token_at - arrival, second_token_gap_seconds=gap,

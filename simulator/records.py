@@ -5,7 +5,9 @@ leaves the prefilling engine (the prefill worker for DISAGG, the decode worker f
 LOCAL); queue time is arrival to that engine's first scheduling of the request
 (admission waits included); E2E is arrival to the last token. ``cached_tokens`` is the
 prefilling engine's prefix-cache hit, as ``usage.prompt_tokens_details.cached_tokens``
-reports it in service. A rejected request (no feasible plan within the admission wait,
+reports it in service: with node stores, the tokens loaded from its node's store too
+(``tier_tokens``, of which ``tier_disk_tokens`` from its disk tier; the load took
+``tier_load_seconds`` of the TTFT). A rejected request (no feasible plan within the admission wait,
 a 429 in service) has no timings.
 """
 
@@ -39,6 +41,10 @@ class RequestRecord:
     e2e_seconds: float | None = None
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    tier_tokens: int = 0  # of ``cached_tokens``, loaded from the node store
+    tier_disk_tokens: int = 0
+    tier_load_seconds: float = 0.0
+    predicted_tier_tokens: int = 0  # the plan's estimate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,14 +66,20 @@ class PolicySummary:
     local_plans: int
     disagg_plans: int
     transfer_bytes: int
+    tier_tokens: int = 0  # of ``cached_tokens``, loaded from node stores
 
     @property
     def hit_rate(self) -> float:
-        """Cached over prompt tokens of the finished requests."""
+        """Cached over prompt tokens of the finished requests (node-store loads included)."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def tier_hit_rate(self) -> float:
+        """Of ``hit_rate``, the share loaded from node stores rather than hit in an engine's cache."""
+        return self.tier_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "tier_hit_rate": self.tier_hit_rate}
 
 
 def percentile(values: list[float], q: float, method: str = "linear") -> float | None:
@@ -90,4 +102,4 @@ def summarize(policy: str, records: Iterable[RequestRecord]) -> PolicySummary:
         queue_p50=percentile([r.queue_seconds for r in done], 50),
         prompt_tokens=sum(r.prompt_tokens for r in done), cached_tokens=sum(r.cached_tokens for r in done),
         local_plans=sum(1 for r in done if r.plan == "local"), disagg_plans=sum(1 for r in done if r.plan == "disagg"),
-        transfer_bytes=sum(r.transfer_bytes for r in done))
+        transfer_bytes=sum(r.transfer_bytes for r in done), tier_tokens=sum(r.tier_tokens for r in done))

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from foundation.identity import BlockHash
+from orchestrator.tier_holdings import TierRun
 
 
 class RequestState(str, Enum):
     WAITING = "waiting"
     PULLING = "pulling"  # blocks allocated, remote KV on its way
     READY = "ready"  # remote KV landed, to be admitted
+    LOADING = "loading"  # blocks allocated, the node store's blocks on their way
+    LOADED = "loaded"  # the node store's blocks landed, the rest of the prompt to compute
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -37,10 +40,21 @@ class EngineRequest:
     num_computed: int = 0
     blocks: list[BlockHash | None] = field(default_factory=list)  # block table: key once cached
     num_registered: int = 0  # leading prompt blocks already cached or tried
-    cached_tokens: int | None = None  # prefix-cache hit at first admission (vLLM's num_cached_tokens)
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
+    tier_tokens: int = 0  # loaded from the node store at first admission (vLLM counts both as cached)
+    tier_disk_tokens: int = 0  # of ``tier_tokens``, from its disk tier
+    # Prompt blocks before it came from the engine's cache, the node store or a pull at its
+    # first admission: the node store is written the full blocks from here on when it ends.
+    first_computed_block: int | None = None
     awaiting_output: bool = True  # no output yet: counted in the engine's queued prefill tokens
     hold_blocks: bool = False  # a DISAGG prefill: the connector holds its blocks for the pull
     submitted_at: float = 0.0  # when its engine accepted it
+    # A request with a pull source (a DISAGG consumer) never looks in the node store, even
+    # when a failed pull or a preemption has it recompute: ``remote`` as it was submitted.
+    pull_source: bool = field(init=False)
+
+    def __post_init__(self):
+        self.pull_source = self.remote
 
     @property
     def num_prompt(self) -> int:
@@ -61,6 +75,7 @@ class Admission:
 
     work: list[tuple[EngineRequest, int]] = field(default_factory=list)
     pulls: list[tuple[EngineRequest, int]] = field(default_factory=list)  # request, blocks to move
+    loads: list[tuple[EngineRequest, TierRun]] = field(default_factory=list)  # request, node-store blocks to load
     preempted: list[EngineRequest] = field(default_factory=list)
     admitted: list[EngineRequest] = field(default_factory=list)  # started running in this step
     repeat: int = 1  # identical decode-only steps this schedule stands for
@@ -77,7 +92,7 @@ class Admission:
 
     @property
     def decodes_only(self) -> bool:
-        return bool(self.work) and not self.pulls and not self.preempted and not self.admitted \
+        return bool(self.work) and not self.pulls and not self.loads and not self.preempted and not self.admitted \
             and all(is_decode(request, new) for request, new in self.work)
 
 

@@ -9,6 +9,9 @@ perfectly calibrated orchestrator would believe). ``seed`` drives everything ran
 run (step-time jitter; the trace and workload are seeded where they are made), so equal
 arguments give equal results.
 
+``settings.tier`` gives each node a KV store behind its engines' caches (``simulator.node_store``;
+default: none).
+
 ``settings.cpu`` says which engines share CPU cores (``simulator.cpu``; default: none).
 Where they do, every step is simulated on its own (no decode runs): a run's steps are
 only identical while their pace is, and sharing changes the pace between steps.
@@ -27,6 +30,7 @@ from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
 from simulator.fleet import SimFleet
 from simulator.loop import AdmissionSettings, Simulation
+from simulator.node_store import StoreStats, TierSettings
 from simulator.records import PolicySummary, RequestRecord, summarize
 from simulator.requests import ReplayRequest, replay_requests
 from simulator.sequence import ceil_div
@@ -45,6 +49,7 @@ class SimulationSettings:
     # Indices of requests whose KV pull is refused (their decode worker prefills them again):
     # a real run's faults, replayed. Default: every pull succeeds.
     failed_pulls: frozenset[int] = frozenset()
+    tier: TierSettings = field(default_factory=TierSettings)  # default: no node stores
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,13 @@ class SimulationResult:
     simulated_seconds: float  # the clock when the last event was processed
     events: int
     wall_seconds: float
+    stores: list[StoreStats] = field(default_factory=list)  # the node stores, if any
 
     def to_dict(self, with_records: bool = True) -> dict:
         result = {"policy": self.policy, "summary": self.summary.to_dict(),
                   "simulated_seconds": self.simulated_seconds, "events": self.events,
-                  "wall_seconds": self.wall_seconds, "workers": [vars(w) for w in self.workers]}
+                  "wall_seconds": self.wall_seconds, "workers": [vars(w) for w in self.workers],
+                  "stores": [vars(s) for s in self.stores]}
         if with_records:
             result["records"] = [r.to_dict() for r in self.records]
         return result
@@ -92,7 +99,7 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
         prefill_engine, decode_engine = (replace(prefill_engine, decode_runs=False),
                                          replace(decode_engine, decode_runs=False))
     fleet = SimFleet(num_prefill, num_decode, prefill_engine, decode_engine, calibration.bytes_per_token,
-                     settings.stats_at_step_end)
+                     settings.stats_at_step_end, settings.tier)
     simulation = Simulation(requests, make_policy(policy, settings.planner), fleet, calibration,
                             settings.cost_model or calibration.cost_model(), settings.admission, seed,
                             settings.cpu, settings.failed_pulls)
@@ -100,8 +107,9 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
     workers = [WorkerStats(w.worker_id, w.role, w.engine.pool.num_total, w.engine.pool.max_used,
                            w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)
                for w in fleet.workers.values()]
+    stores = [store.stats() for store in {id(store): store for store in fleet.stores.values()}.values()]
     return SimulationResult(policy, records, summarize(policy, records), workers, simulation.now,
-                            simulation.clock.num_processed, time.perf_counter() - started)
+                            simulation.clock.num_processed, time.perf_counter() - started, stores)
 
 
 def check_fits(requests: list[ReplayRequest], settings: SimulationSettings) -> None:

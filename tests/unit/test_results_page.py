@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvroute.bench.results_page import cli as results_page  # imports matplotlib only when it plots
+from kvroute.bench.results_page.runs import REPOSITORY, TIER_MULTIPLE, TRACE
+from simulator import TierSettings
 from tests.unit.simulated_runs import simulated_repository_run, simulated_trace_run
 from worker.settings import WorkerSettings
 
@@ -81,6 +83,28 @@ def test_policy_tables_match_the_json(page):
                 assert int(cells[8]) == summary["rejected"]
                 prefill_bound = row["oracle"]["lru_prefill_pool"]["reused_tokens"]
                 assert summary["of_prefill_lru"] == pytest.approx(summary["cached_tokens"] / prefill_bound)
+
+
+def test_the_node_tier_table_matches_the_json(page):
+    _, report, text = page
+    shown = {(row[0], int(row[1]), row[3]): row for row in table_rows(sections(text)["Node KV tier"])
+             if row[0] in report["workloads"]}
+    engines = {REPOSITORY: report["repository_engine"]["num_blocks"], TRACE: report["trace_engine"]["num_blocks"]}
+    per_node = TierSettings().workers_per_node
+    for workload, rows in report["workloads"].items():
+        for row in rows:
+            tier = row["tier"]
+            assert tier["settings"]["host_blocks"] == TIER_MULTIPLE * engines[workload] * min(per_node, row["workers"])
+            for policy, tiered in tier["policies"].items():
+                cells, without = shown[(workload, row["workers"], policy)], row["policies"][policy]
+                assert int(cells[2].replace(",", "")) == tier["settings"]["host_blocks"]
+                assert float(cells[4]) == pytest.approx(without["ttft_p50_s"], abs=0.005)
+                assert float(cells[5]) == pytest.approx(tiered["ttft_p50_s"], abs=0.005)
+                assert float(cells[7]) == pytest.approx(tiered["ttft_p99_s"], abs=0.005)
+                assert float(cells[9].rstrip("%")) == pytest.approx(100 * tiered["hit_rate"], abs=0.05)
+                assert float(cells[10].rstrip("%")) == pytest.approx(100 * tiered["tier_hit_rate"], abs=0.05)
+                assert tiered["hit_rate"] >= tiered["tier_hit_rate"]
+    assert len(shown) == sum(len(r["tier"]["policies"]) for rows in report["workloads"].values() for r in rows)
 
 
 def row_policies(rows: list[dict]) -> set[str]:

@@ -13,16 +13,17 @@ cores of its own (no CPU contention), on two workloads:
   with a time scale per size from ``simulator.scaling.trace_time_scale``: the same
   cold-prefill load per prefill worker at every size.
 
-Beside each: the reuse bounds of ``kvroute bench simulate`` (unlimited cache; one shared LRU cache
-of all workers' blocks with perfect routing). Cost curves and workload base: with
-``--real``, the curves fitted to that ``kvroute bench placement`` run (``simulator.from_replay``),
-its workload config and engine cache, its model of per-step load reports and held
-blocks, and the validation table of ``kvroute bench validate-simulator``; with ``--from-page``, what an
-earlier page recorded (its curves, workload base, engines and real-cluster section), to
-redo the simulated part after a change to kvroute without a new real replay (engine
-settings that page did not record take the workers' current defaults); else the
-``SimCalibration`` defaults and ``kvroute bench placement``'s default workload with a cache sized
-by its rule.
+Beside each: the reuse bounds of ``kvroute bench simulate`` (unlimited cache; one shared LRU
+cache of all workers' blocks with perfect routing), and cache_aware and round_robin again with a
+node KV store on every node holding 8x its engines' KV (``runs.TIER_POLICIES``,
+``runs.node_tier``). Cost curves and workload base: with ``--real``, the curves fitted to that
+``kvroute bench placement`` run (``simulator.from_replay``), its workload config and engine
+cache, its model of per-step load reports and held blocks, and the validation table of ``kvroute
+bench validate-simulator``; with ``--from-page``, what an earlier page recorded (its curves,
+workload base, engines and real-cluster section), to redo the simulated part after a change to
+kvroute without a new real replay (engine settings that page did not record take the workers'
+current defaults); else the ``SimCalibration`` defaults and ``kvroute bench placement``'s
+default workload with a cache sized by its rule.
 
 Real-cluster sections: the repository-assistant run of ``--real`` (or the one the page of
 ``--from-page`` carries) and the trace run of ``--real-trace`` (a ``kvroute bench trace``

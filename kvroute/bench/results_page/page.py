@@ -1,5 +1,5 @@
 """The results page itself (RESULTS.md), rendered from its report: the header, how each size
-was loaded, the targets, notes, and a section per workload and per real run."""
+was loaded, the targets, notes, a section per workload, the node KV tier's, and one per real run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from kvroute.bench.results_page.runs import (
     REPOSITORY,
     REQUESTS_PER_PREFILL,
     TARGETS,
+    TIER_MULTIPLE,
     TRACE,
 )
 from kvroute.bench.results_page.text import cell, listing, table, verdict
@@ -164,11 +165,42 @@ def workload_section(workload: str, rows: list[dict], plots: list[str]) -> str:
         f"\n\nTTFT CDFs at {CDF_WORKERS} workers, TTFT and hit rate against cluster size:\n\n{figures}"
 
 
+def tier_section(workloads: dict[str, list[dict]]) -> str:
+    """Each size's node-tier runs beside the same policies without one; empty for a page
+    made before the simulator had node stores."""
+    rows = [[workload, r["workers"], f"{r['tier']['settings']['host_blocks']:,}", policy,
+             cell(r["policies"][policy]["ttft_p50_s"]), cell(tiered["ttft_p50_s"]),
+             cell(r["policies"][policy]["ttft_p99_s"]), cell(tiered["ttft_p99_s"]),
+             cell(r["policies"][policy]["hit_rate"], "%"), cell(tiered["hit_rate"], "%"),
+             cell(tiered["tier_hit_rate"], "%"), f"{r['policies'][policy]['rejected']} / {tiered['rejected']}"]
+            for workload, sizes in workloads.items() for r in sizes if "tier" in r
+            for policy, tiered in r["tier"]["policies"].items()]
+    if not rows:
+        return ""
+    per_node = next(r["tier"]["settings"]["workers_per_node"] for sizes in workloads.values() for r in sizes
+                    if "tier" in r)
+    return f"""## Node KV tier
+
+What a KV store on every node (`simulator.node_store`: kvroute's node store, host memory in LRU
+order behind the engines' caches; no disk tier here) adds: the same requests on the same
+cluster, once without and once with a store on each node of {per_node} workers (prefill pool
+first) whose host memory holds {TIER_MULTIPLE}x the KV of its engines. A prefill loads the run
+of prompt blocks its node's store holds past its engine's own hit before computing the rest; a
+request that ends writes the blocks it computed through to the store. The planner prices the
+loads from the stores' contents (`tier_host_blocks` in its views). Hit rates count the tokens
+loaded from a store; "from the tier" is their share of all prompt tokens.
+
+""" + table(["workload", "workers", "host blocks per node", "policy", "P50 TTFT without", "P50 TTFT with",
+             "P99 TTFT without", "P99 TTFT with", "hit rate without", "hit rate with", "from the tier",
+             "429 without / with"], rows)
+
+
 def render(report: dict) -> str:
     workloads = report["workloads"]
     parts = [header_section(report), "## How each size was loaded", repository_scaling(report, workloads[REPOSITORY]),
              trace_scaling(report, workloads[TRACE]), targets_section(workloads), notes_section(workloads)]
     parts += [workload_section(name, rows, report["plots"][name]) for name, rows in workloads.items()]
+    parts += [section for section in [tier_section(workloads)] if section]
     if report["real"]:
         parts.append(real_section(report["real"]))
     if report.get("real_trace"):

@@ -1,9 +1,10 @@
 """The simulated part of the results page: every policy at every size on both workloads,
-the targets judged on each, and the real-cluster sections with their validation tables."""
+the targets judged on each, what a node KV tier adds to some of them, and the real-cluster
+sections with their validation tables."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from kvroute.bench.simulation import validate
 from kvroute.bench.simulation.real_run import is_trace_run, load_real, rebuild_requests
 from kvroute.bench.simulation.simulate import bounds
 from orchestrator.planner.policies import POLICIES
-from simulator import SimCalibration, SimulationSettings, simulate
+from simulator import SimCalibration, SimulationSettings, TierSettings, simulate
 from simulator.from_replay import calibration_from_replay, cluster_from_replay
 from simulator.requests import replay_requests
 from simulator.scaling import cold_prefill_seconds, scale_repository_assistant, trace_time_scale
@@ -29,6 +30,10 @@ QUICK_REQUESTS_PER_PREFILL, QUICK_TRACE_RECORDS = 10, 100
 CDF_WORKERS = 8
 console = Console()  # the progress of the simulations
 REPOSITORY, TRACE = "repository-assistant", "trace"
+# The node tier's runs: these policies again, with a store on every node of
+# ``TierSettings().workers_per_node`` workers holding TIER_MULTIPLE times its engines' KV
+# in host memory (no disk tier).
+TIER_POLICIES, TIER_MULTIPLE = ("cache_aware", "round_robin"), 8
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,28 @@ def run_size(source, num_prefill: int, settings: SimulationSettings, calibration
         print(f"  {2 * num_prefill} workers, {policy}: {result.wall_seconds:.1f} s", flush=True)
     row = {"workers": 2 * num_prefill, "num_prefill": num_prefill, "num_decode": num_prefill, "oracle": oracle,
            "policies": policies, "wall_seconds": sum(p["wall_seconds"] for p in policies.values())}
-    return row | summary_ratios(policies), ttfts
+    return row | summary_ratios(policies) | {"tier": tier_runs(source, num_prefill, settings, calibration)}, ttfts
+
+
+def node_tier(settings: SimulationSettings, num_workers: int) -> TierSettings:
+    """A store per node whose host memory holds ``TIER_MULTIPLE`` times the KV of its engines."""
+    per_node = min(TierSettings().workers_per_node or num_workers, num_workers)
+    engines = (settings.prefill_engine.num_blocks + settings.decode_engine.num_blocks) / 2
+    return TierSettings(host_blocks=int(TIER_MULTIPLE * engines * per_node))
+
+
+def tier_runs(source, num_prefill: int, settings: SimulationSettings, calibration: SimCalibration) -> dict:
+    """``TIER_POLICIES`` on the same cluster with node stores: the side of the comparison with a tier."""
+    tier = node_tier(settings, 2 * num_prefill)
+    policies = {}
+    for policy in TIER_POLICIES:
+        result = simulate(source, policy, num_prefill, num_prefill, calibration, 0, replace(settings, tier=tier))
+        s = result.summary
+        policies[policy] = {"ttft_p50_s": s.ttft_p50, "ttft_p99_s": s.ttft_p99, "hit_rate": s.hit_rate,
+                            "tier_hit_rate": s.tier_hit_rate, "finished": s.finished, "rejected": s.rejected,
+                            "wall_seconds": result.wall_seconds}
+        print(f"  {2 * num_prefill} workers, {policy} with node stores: {result.wall_seconds:.1f} s", flush=True)
+    return {"settings": asdict(tier), "multiple": TIER_MULTIPLE, "policies": policies}
 
 
 def workers(num_prefill: int) -> str:

@@ -20,6 +20,10 @@ or ``--workload NAME``, a seeded generator of ``workloads`` (``--requests``,
 ``--cores N``: the engines share N CPU cores, bound as ``kvroute serve`` binds them
 (engine i on core i % N; ``simulator.cpu``); default 0, none shared.
 ``--long-prefill-tokens``: each engine's per-prompt step cap, as the workers' flag (256).
+``--tier-host-blocks N`` (and ``--tier-disk-blocks M``): a node KV store on every node of
+``--workers-per-node`` workers (default 8; 0: one node), with N blocks in host memory and
+M on disk (``simulator.node_store``); default 0, no node stores. The hit rate then counts
+the tokens loaded from them, and the "tier" column is their share of the prompt tokens.
 
 Output: ``DIR/results.json`` (settings, oracle, per-policy summaries and, unless
 ``--no-records``, per-request records).
@@ -28,6 +32,7 @@ Usage::
 
     kvroute bench simulate [--prefill 4] [--decode 4] [--policies a,b] [--output DIR]
         [--trace FILE | --workload NAME [--workload-options K=V,...]] [--kv-blocks N] [--seed S]
+        [--tier-host-blocks N [--tier-disk-blocks M] [--workers-per-node W]]
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from kvroute.bench.oracle import OracleRequest, oracle_requests, reuse_bounds
 from kvroute.bench.paths import DEFAULT_TRACE, REPO_ROOT
 from kvroute.bench.progress import track
 from orchestrator.planner.policies import POLICIES
-from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, simulate
+from simulator import CpuSettings, EngineConfig, SimCalibration, SimulationSettings, TierSettings, simulate
 from simulator.requests import replay_requests
 from worker.settings import PREFILL_LONG_PREFILL_TOKENS
 from workloads import GENERATORS, generate_named, parse_options
@@ -73,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-evict-pulled-first", dest="evict_pulled_first", action="store_false",
                         help="decode workers keep pulled prompts in plain LRU order, as the workers' flag "
                              "(default: pulled prompts are evicted first, as kvroute's workers do)")
+    add_tier_arguments(parser)
     parser.add_argument("--block-tokens", type=int, default=TraceScaling().block_tokens)
     parser.add_argument("--time-scale", type=float, default=TraceScaling().time_scale)
     parser.add_argument("--limit", type=int, help="first N trace records only")
@@ -87,6 +93,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "simulate")
     parser.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tier-host-blocks", type=int, default=TierSettings().host_blocks,
+                        help="node KV store: blocks in host memory per node (default: %(default)s, no stores)")
+    parser.add_argument("--tier-disk-blocks", type=int, default=TierSettings().disk_blocks,
+                        help="node KV store: blocks on disk per node, behind host memory (default: %(default)s)")
+    parser.add_argument("--workers-per-node", type=int, default=TierSettings().workers_per_node,
+                        help="workers sharing a node store, in order, prefill pool first "
+                             "(default: %(default)s; 0: one node)")
+
+
+def tier_settings(args: argparse.Namespace) -> TierSettings:
+    return TierSettings(host_blocks=args.tier_host_blocks, disk_blocks=args.tier_disk_blocks,
+                        workers_per_node=args.workers_per_node)
 
 
 def load_requests(args: argparse.Namespace):
@@ -128,13 +149,14 @@ def seconds(value: float | None) -> str:
 def print_table(results: list, oracle: dict, title: str) -> None:
     table = Table(title=title)
     for column in ("policy", "done", "429", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99", "queue p50",
-                   "hit rate", "of LRU", "local", "disagg", "sim s", "wall s"):
+                   "hit rate", "tier", "of LRU", "local", "disagg", "sim s", "wall s"):
         table.add_column(column, justify="left" if column == "policy" else "right")
     lru = oracle["lru_all_workers"]["reused_tokens"]
     for result in results:
         s = result.summary
         table.add_row(s.policy, str(s.finished), str(s.rejected), seconds(s.ttft_p50), seconds(s.ttft_p99),
                       seconds(s.e2e_p50), seconds(s.e2e_p99), seconds(s.queue_p50), f"{s.hit_rate:.1%}",
+                      f"{s.tier_hit_rate:.1%}" if result.stores else "-",
                       f"{s.cached_tokens / lru:.0%}" if lru else "-", str(s.local_plans), str(s.disagg_plans),
                       f"{result.simulated_seconds:.0f}", f"{result.wall_seconds:.1f}")
     console.print(table)
@@ -150,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     calibration = SimCalibration.from_json(args.calibration) if args.calibration else SimCalibration()
     engine = EngineConfig(num_blocks=args.kv_blocks, block_size=args.block_size,
                           long_prefill_tokens=args.long_prefill_tokens, evict_pulled_first=args.evict_pulled_first)
-    settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores))
+    settings = SimulationSettings(prefill_engine=engine, decode_engine=engine, cpu=CpuSettings(cores=args.cores),
+                                  tier=tier_settings(args))
     oracle = bounds(source, args)
     results = []
     for policy in track(args.policies.split(","), "policies", console):
