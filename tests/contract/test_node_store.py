@@ -182,6 +182,17 @@ def test_a_disk_round_trip(serve, caches, tmp_path):
     assert not list((tmp_path / "kvroute-node-store").glob("*.blk")), "a stopped store leaves its disk folder empty"
 
 
+def test_a_read_whose_promotions_drop_its_own_disk_blocks_is_refused_and_the_store_serves_on(serve, caches,
+                                                                                           tmp_path):
+    writer, reader = caches
+    _, client = serve(settings_for(writer, host_blocks=1, disk_blocks=2, disk_dir=tmp_path))
+    put(client, writer, keys(1, 2, 3), [0, 1, 2])  # 3 in host memory, 1 and 2 on a full disk tier
+    with pytest.raises(StoreRefused, match="disk tier is too small"):
+        load(client, reader, keys(1, 2), [0, 1])  # bringing 1 back demotes 3, which drops 2
+    assert load(client, reader, keys(1), [0]) == writer.spec.bytes_per_block
+    assert_same_blocks(writer, [0], reader, [0])
+
+
 def test_a_get_needing_more_host_room_than_is_unpinned_is_refused(serve, caches, tmp_path):
     writer, reader = caches
     _, client = serve(settings_for(writer, host_blocks=2, disk_blocks=4, disk_dir=tmp_path))

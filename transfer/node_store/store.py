@@ -251,6 +251,11 @@ class NodeStore:
         self.index.pin([key for key, entry in zip(keys, entries) if entry.tier is Tier.HOST], until)
         for key, entry in zip(keys, entries):
             if entry.tier is Tier.DISK:
+                # Bringing one block back demotes a host block, which on a full disk tier drops
+                # the least recently used disk block: possibly another of this very read.
+                if self.index.entry(key) is None:
+                    raise RequestRefused("a block asked for was dropped to bring another of the same read "
+                                         "back from disk: the disk tier is too small for this read")
                 self._promote(key, now)
                 self.index.pin([key], until)  # before the next promotion could evict it
         return [self.index.entry(key).slot for key in keys]
