@@ -208,6 +208,8 @@ class CompletionService:
         heartbeat alone; the others' views are built now, as their keys need the ledger."""
         workers = [w for w in self.fleet.pool(pool) if w.worker_id not in excluded]
         cached = [matches.get(w.worker_id, 0) for w in workers]
+        reach = self.tiers.reach(block_hashes)
+        reachable = [reach(worker.node_store, blocks) for worker, blocks in zip(workers, cached)]
 
         def build(position: int) -> WorkerView:
             return self._view(workers[position], block_hashes, cached[position])
@@ -220,7 +222,7 @@ class CompletionService:
             else:
                 built[position] = build(position)
                 load_keys.append(load_key(built[position]))
-        return LazyPool(load_keys, cached, build, built)
+        return LazyPool(load_keys, reachable, build, built)
 
     def _with_core_neighbours(self, prefill: Sequence[WorkerView],
                               decode: Sequence[WorkerView]) -> tuple[Sequence[WorkerView], Sequence[WorkerView]]:

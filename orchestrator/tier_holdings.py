@@ -9,6 +9,7 @@ same the prefix index and the store use, so a prompt's hashes look up both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from foundation import identity, wire
@@ -78,6 +79,23 @@ class TierHoldings:
         if tier is None:
             return len(entries.tiers)
         return sum(1 for held in entries.tiers.values() if held == tier)
+
+    def reach(self, block_hashes: list[identity.BlockHash]) -> Callable[[StoreKey | None, int], int]:
+        """``reach(store, start)``: ``start`` plus the run ``store`` holds from there, for many
+        workers of one prompt. Most workers hold nothing of it (start 0) and share a store
+        with others, so the run from block 0 is worked out once per store."""
+        from_zero: dict[StoreKey, int] = {}
+
+        def reach(store: StoreKey | None, start: int) -> int:
+            if store is None or store not in self._stores:
+                return start
+            if start:
+                return start + self.run(store, block_hashes, start).blocks
+            if store not in from_zero:
+                from_zero[store] = self.run(store, block_hashes, 0).blocks
+            return from_zero[store]
+
+        return reach
 
     def run(self, store: StoreKey | None, block_hashes: list[identity.BlockHash], start: int) -> TierRun:
         """The blocks of ``block_hashes`` from ``start`` on that ``store`` holds without a gap:

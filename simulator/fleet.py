@@ -237,7 +237,13 @@ class SimFleet:
             if worker.role == role:
                 cached[worker.position] = blocks
         # The pool shares the key list: it is read within this decision, before any worker changes.
-        return LazyPool(load_keys, cached, build)
+        return LazyPool(load_keys, self._reachable(workers, block_hashes, cached) if self.stores else cached, build)
+
+    def _reachable(self, workers: list[SimWorker], block_hashes: list[BlockHash], cached: list[int]) -> list[int]:
+        """Each worker's engine blocks and its node store's run after them, as the service prunes by."""
+        reach = self.tiers.reach(block_hashes)
+        return [reach(None if worker.store is None else (worker.store.name, ""), blocks)
+                for worker, blocks in zip(workers, cached)]
 
 
 def node_stores(worker_ids: list[str], tier: TierSettings) -> dict[str, NodeStore]:

@@ -33,8 +33,8 @@ def load_key(worker: WorkerView) -> LoadKey:
 
 
 def match_key(worker: WorkerView) -> tuple[int, tuple[int, int, str]]:
-    """Longest prefix match first; the lighter load breaks ties."""
-    return -worker.cached_blocks, load_key(worker)
+    """Longest prefix within reach first (engine and node store); the lighter load breaks ties."""
+    return -worker.reachable_blocks, load_key(worker)
 
 
 def prune(workers: Sequence[WorkerView], top_k: int, problem: Problem) -> list[WorkerView]:
@@ -58,7 +58,7 @@ def pool_keys(pool: Sequence[WorkerView]) -> tuple[list[LoadKey], list[int]]:
     """Every worker's load key and cached blocks: as a ``LazyPool`` carries them, else off the views."""
     if isinstance(pool, LazyPool):
         return pool.load_keys, pool.cached_blocks
-    return [load_key(worker) for worker in pool], [worker.cached_blocks for worker in pool]
+    return [load_key(worker) for worker in pool], [worker.reachable_blocks for worker in pool]
 
 
 class _AbleInOrder:
@@ -86,7 +86,7 @@ def prune_exhaustively(pool: list[WorkerView], top_k: int, problem: Problem) -> 
     """``prune``'s answer, asking every worker whether it can take the request."""
     # Keys are computed once per worker and compared as plain tuples: a key callback per
     # comparison is what dominated the decision time at 1,000 workers.
-    rows = [(bool(problem(worker)), load_key(worker), -worker.cached_blocks, index)
+    rows = [(bool(problem(worker)), load_key(worker), -worker.reachable_blocks, index)
             for index, worker in enumerate(pool)]
     by_load = heapq.nsmallest(top_k, ((unable, load, index) for unable, load, _, index in rows))
     by_match = heapq.nsmallest(top_k, ((unable, match, load, index) for unable, load, match, index in rows))

@@ -20,7 +20,7 @@ LoadKey = tuple[int, int, str]  # ``candidates.load_key``: active requests, queu
 
 class LazyPool(Sequence[WorkerView]):
     """``len(load_keys)`` workers; ``build(i)`` makes the i-th view, whose ``load_key`` is
-    ``load_keys[i]`` and whose ``cached_blocks`` is ``cached_blocks[i]``; ``built``: views
+    ``load_keys[i]`` and whose ``reachable_blocks`` is ``cached_blocks[i]``; ``built``: views
     already made, by position."""
 
     def __init__(self, load_keys: list[LoadKey], cached_blocks: list[int], build: Callable[[int], WorkerView],

@@ -64,6 +64,12 @@ class WorkerView:
                                                                              self.cached_blocks)
 
     @property
+    def reachable_blocks(self) -> int:
+        """Leading prompt blocks a prefill here starts from: its engine's and, after them, its
+        node store's run. What candidates are pruned by (``candidates.match_key``)."""
+        return self.cached_blocks + self.tier_host_blocks + self.tier_disk_blocks
+
+    @property
     def cache_fill(self) -> float:
         """Share of the worker's KV cache that holds indexed blocks (0 when it reports none)."""
         return self.resident_blocks / self.num_total_blocks if self.num_total_blocks else 0.0

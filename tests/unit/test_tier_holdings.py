@@ -58,3 +58,11 @@ def test_a_forgotten_store_holds_nothing_and_is_asked_from_the_start():
     holdings.forget(STORE)
     assert holdings.run(STORE, HASHES, 0) == NO_RUN
     assert holdings.position(STORE) == ("", 0) and holdings.stores() == []
+
+
+def test_reach_adds_the_store_run_past_each_start():
+    holdings = TierHoldings()
+    holdings.apply(STORE, reply((True, "host", 101), (True, "host", 102), (True, "disk", 104), seq=3, snapshot=True))
+    reach = holdings.reach(HASHES)
+    assert [reach(STORE, start) for start in (0, 1, 2, 3, 4)] == [2, 2, 2, 4, 4]
+    assert reach(OTHER, 3) == 3 and reach(None, 1) == 1

@@ -10,6 +10,7 @@ from dataclasses import replace
 from orchestrator.decisions import DecisionRecord
 from orchestrator.planner import cost_model as cost
 from orchestrator.planner.calibration import Calibration
+from orchestrator.planner.candidates import prune
 from orchestrator.planner.cost_model import CostModel, LinkEstimate
 from orchestrator.planner.planner import CacheAwarePlanner
 from orchestrator.planner.plans import local_plan, prefill_reuse, pull_plan
@@ -95,3 +96,10 @@ def test_a_record_tells_a_store_miss_from_an_index_or_claim_miss():
     assert not record(reused=160, tier=0).claim_overestimated()
     assert not record(reused=800, tier=640).tier_overestimated()
     assert record(reused=32, tier=0).index_overestimated() and not record(reused=32, tier=0).tier_overestimated()
+
+
+def test_a_worker_whose_store_holds_the_prompt_survives_pruning_among_busier_and_colder_ones():
+    others = [worker(f"u{n}", num_running=1, cached_blocks=n % 3) for n in range(12)]
+    tiered = worker("tiered", num_running=2, tier_host_blocks=50)
+    kept = prune([*others, tiered], top_k=2, problem=lambda view: "")
+    assert "tiered" in {view.worker_id for view in kept}, "its store's run counts as held for pruning"
