@@ -13,10 +13,10 @@ within a poll, and is empty for a store it cannot follow.
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
 
 from foundation import wire
 from orchestrator.fleet import Fleet
+from orchestrator.registry import node_store_key
 from orchestrator.tier_holdings import DISK, HOST, TierHoldings
 from orchestrator.worker_client import WorkerError
 
@@ -30,7 +30,7 @@ async def describe_stores(fleet: Fleet, tiers: TierHoldings) -> list[dict]:
     for worker, stats in zip(workers, replies):
         if stats is None or not stats.node_store_address:
             continue
-        key = (urlsplit(worker.rpc_address).hostname or "", stats.node_store_address)
+        key = node_store_key(worker.rpc_address, stats.node_store_address)
         entry = stores.setdefault(key, {"node": key[0], "address": key[1], "workers": [], "reachable": False,
                                         "error": stats.node_store_error,
                                         "indexed": {tier: tiers.num_blocks(key, tier) for tier in (HOST, DISK)}})

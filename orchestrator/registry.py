@@ -44,11 +44,16 @@ class WorkerView:
 
     @property
     def node_store(self) -> tuple[str, str] | None:
-        """Which node store it uses, as (its host, the store's address there); None: none.
-        Store addresses are loopback or ipc, so only the host tells two stores apart."""
+        """Which node store it uses (``node_store_key``); None: none."""
         if not self.node_store_address:
             return None
-        return urlsplit(self.rpc_address).hostname or "", self.node_store_address
+        return node_store_key(self.rpc_address, self.node_store_address)
+
+
+def node_store_key(rpc_address: str, store_address: str) -> tuple[str, str]:
+    """A node store as (the host of a worker using it, the store's address there). Store
+    addresses are loopback or ipc, so only the host tells two stores apart."""
+    return urlsplit(rpc_address).hostname or "", store_address
 
 
 @dataclass(frozen=True)

@@ -208,8 +208,10 @@ class CompletionService:
         heartbeat alone; the others' views are built now, as their keys need the ledger."""
         workers = [w for w in self.fleet.pool(pool) if w.worker_id not in excluded]
         cached = [matches.get(w.worker_id, 0) for w in workers]
-        reach = self.tiers.reach(block_hashes)
-        reachable = [reach(worker.node_store, blocks) for worker, blocks in zip(workers, cached)]
+        reachable = cached
+        if self.tiers.num_stores:  # else no worker has a store run to add: skip a pass over the pool
+            reach = self.tiers.reach(block_hashes)
+            reachable = [reach(worker.node_store, blocks) for worker, blocks in zip(workers, cached)]
 
         def build(position: int) -> WorkerView:
             return self._view(workers[position], block_hashes, cached[position])

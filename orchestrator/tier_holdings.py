@@ -72,6 +72,10 @@ class TierHoldings:
     def stores(self) -> list[StoreKey]:
         return list(self._stores)
 
+    @property
+    def num_stores(self) -> int:
+        return len(self._stores)
+
     def num_blocks(self, store: StoreKey, tier: str | None = None) -> int:
         entries = self._stores.get(store)
         if entries is None:
