@@ -1,5 +1,6 @@
 """``kvroute bench peers``' sweep driver end to end, without a model: two synthetic stacks
-(``kvroute orchestrator`` with ``testing.synthetic_worker`` engines) as the systems.
+(``kvroute orchestrator`` with ``testing.synthetic_worker`` engines) as the systems, both up at
+once and alternated run by run, each run twice.
 
 "kvroute" is reset through ``/admin/reset-cache`` and gets decision records; "fast-peer" is a
 stack with faster engines treated as a peer (no policy header, no decision lookups), so it
@@ -17,6 +18,7 @@ from rich.console import Console
 from foundation.model_prep import resolve_model
 from foundation.netutil import free_port
 from kvroute.bench.peers import report, results, sources
+from kvroute.bench.peers import run as run_module
 from kvroute.bench.peers.plans import RESET_ENGINES, RESET_KVROUTE, Launch, Plan
 from kvroute.bench.peers.run import Skipped, SweepSettings, sweep
 
@@ -60,8 +62,16 @@ def test_a_sweep_over_two_synthetic_systems(tmp_path, monkeypatch):
         started.append(self.popen.pid)
 
     monkeypatch.setattr(systems.Process, "__init__", remember)
+    order = []
+    measure = run_module.measure_run
+
+    def remember_run(system, *args, **kwargs):
+        order.append((system.plan.system, args[2]))  # (system, rate)
+        return measure(system, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "measure_run", remember_run)
     settings = SweepSettings(("repository-assistant",), RATES, sources.SourceSettings(REQUESTS), TARGETS,
-                             start_timeout_s=120, request_timeout_s=60, warmup_requests=0)
+                             start_timeout_s=120, request_timeout_s=60, warmup_requests=0, repeats=2)
     plans = [synthetic_plan("kvroute", 0.08, kvroute_api=True), synthetic_plan("fast-peer", 0.002, False),
              Skipped("router-pd", "no P/D connector here")]
     console = Console(record=True, width=200)
@@ -69,10 +79,14 @@ def test_a_sweep_over_two_synthetic_systems(tmp_path, monkeypatch):
 
     assert result.aborted is None and [s.system for s in result.systems] == ["kvroute", "fast-peer", "router-pd"]
     assert result.systems[2].skipped == "no P/D connector here"
+    # Both systems up at once, alternated run by run, the order reversed every other run.
+    assert order == [("kvroute", 4.0), ("fast-peer", 4.0), ("fast-peer", 4.0), ("kvroute", 4.0),
+                     ("kvroute", 8.0), ("fast-peer", 8.0), ("fast-peer", 8.0), ("kvroute", 8.0)]
     for record in result.systems[:2]:
         assert record.skipped is None and [run.rate for run in record.runs] == list(RATES)
-        for run in record.runs:
-            assert run.metrics["succeeded"] == REQUESTS and run.metrics["lost"] == 0
+        for run in record.runs:  # metrics over both repeats
+            assert run.repeats == 2 and run.metrics["requests"] == len(run.rows) == 2 * REQUESTS
+            assert run.metrics["succeeded"] == 2 * REQUESTS and run.metrics["lost"] == 0
             assert run.metrics["outputs_not_of_requested_length"] == 0
             assert run.cache_reset["reset"] is True
     kvroute_rows = [row for run in result.systems[0].runs for row in run.rows]
@@ -88,5 +102,6 @@ def test_a_sweep_over_two_synthetic_systems(tmp_path, monkeypatch):
     assert tpot["winners"] == ["fast-peer"] and tpot["kvroute_over_best_peer"] > 2
 
     doc = results.document(result, {}, {}, TARGETS, comparisons)
-    assert len(doc["runs"]) == 4 and len(doc["requests"]) == 4 * REQUESTS
+    assert len(doc["runs"]) == 4 and len(doc["requests"]) == 2 * 4 * REQUESTS
+    assert {run["repeats"] for run in doc["runs"]} == {2}
     assert not [pid for pid in started if alive(pid)]  # every process stopped

@@ -1,8 +1,11 @@
 """kvroute against what a user would run instead (plain vLLM, vLLM servers behind vllm-router), side by side.
 
 Each system is started on this machine with the same model, dtype, block size (32), total KV
-memory, prefix caching and context length, replayed the same workloads at every swept rate
-with kvroute's replay client, and stopped before the next starts. Writes results.json
+memory, prefix caching and context length, and replayed the same workloads at every swept rate
+with kvroute's replay client. All systems stay up while one is measured, and the runs alternate
+between them (the order reversed every other run; ``--repeats`` runs each), so that drift in
+the machine's speed falls on every system alike; ``--sequential`` runs one system at a time
+instead. Writes results.json
 (per system, workload and rate: TTFT and TPOT P50/P99, E2E P50, hit rate, errors, SLO
 attainment; goodput per system and workload; the winner of every metric and kvroute's ratio
 to the best peer), latency_vs_rate.png and goodput.png, and prints the tables.
@@ -17,7 +20,8 @@ Usage::
     kvroute bench peers [--systems kvroute,vllm,router-cache_aware,router-kv_aware,router-pd]
         [--workloads repository-assistant,long-output,conversation,trace] [--rates 0.25,0.5,1]
         [--requests 30] [--total-kv-gib 0.75] [--ttft-target 1.0] [--tpot-target 0.15]
-        [--kvroute-topology auto] [--kvroute-args "..."] [--output results/bench_peers]
+        [--kvroute-topology auto] [--kvroute-args "..."] [--repeats 1] [--sequential]
+        [--output results/bench_peers]
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of every workload (default: %(default)s)")
     add("--warmup-requests", type=int, default=3, help="unmeasured requests after each system starts "
                                                        "(default: %(default)s)")
+    add("--repeats", type=int, default=1, help="runs of each workload and rate on each system, alternated; the "
+                                              "metrics are over all of them (default: %(default)s)")
+    add("--sequential", action="store_true",
+        help="start and measure one system at a time instead of keeping all up and alternating them run "
+             "by run (needs memory for one system only; drift of the machine's speed then falls on the "
+             "systems unevenly)")
     add("--start-timeout", type=float, default=900, help="seconds a system may take to start (default: %(default)s)")
     add("--request-timeout", type=float, default=600, help="seconds a response may fall silent (default: %(default)s)")
 
@@ -83,8 +93,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.rates = sorted({float(rate) for rate in _list(args.rates)})
     except ValueError:
         parser.error(f"--rates must be numbers, got {args.rates!r}")
-    if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.router_servers < 1:
-        parser.error("--rates must be positive, --requests and --router-servers at least 1")
+    if not args.rates or min(args.rates) <= 0 or min(args.requests, args.router_servers, args.repeats) < 1:
+        parser.error("--rates must be positive, --requests, --router-servers and --repeats at least 1")
     if args.total_kv_gib <= 0 or args.ttft_target <= 0 or args.tpot_target <= 0 or args.tier_kv_multiple <= 0:
         parser.error("--total-kv-gib, --tier-kv-multiple and the targets must be positive")
     if "trace" in args.workloads and not args.trace.exists():
@@ -148,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     targets = report.Targets(args.ttft_target, args.tpot_target)
     settings = run.SweepSettings(tuple(args.workloads), tuple(args.rates),
                                  sources.SourceSettings(args.requests, args.seed, args.trace, args.max_model_len),
-                                 targets, args.start_timeout, args.request_timeout, args.warmup_requests)
+                                 targets, args.start_timeout, args.request_timeout, args.warmup_requests,
+                                 sequential=args.sequential, repeats=args.repeats)
     systems = build_systems(args, res, log_dir, lambda message: console.print(message, highlight=False))
     sweep = run.sweep(systems, settings, log_dir, console)
     comparisons = report.comparisons(sweep.metrics())

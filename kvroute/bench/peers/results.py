@@ -4,7 +4,7 @@ Shape (``document``)::
 
     settings, resources, targets, router {package, version}, client, sources, aborted
     systems:     [{system, description, settings, skipped, start_s}]   skipped: the reason, or null
-    runs:        [{system, workload, rate, cache_reset, <report.run_metrics>}]
+    runs:        [{system, workload, rate, repeats, cache_reset, <report.run_metrics>}]
     goodput:     {workload: {system: req/s or null}}
     comparisons: {workload: {goodput: <report.compare>, rates: {rate: {metric: <report.compare>}}}}
     requests:    one row per request (replay_results.row_dict) with system, workload and rate
@@ -34,7 +34,8 @@ def document(sweep: Sweep, settings: dict, resources: dict, targets: report.Targ
         "sources": sweep.sources, "aborted": sweep.aborted, "written_at": time.time(),
         "systems": [{"system": r.system, "description": r.description, "settings": r.settings,
                      "skipped": r.skipped, "start_s": r.start_s} for r in sweep.systems],
-        "runs": [{"system": run.system, "workload": run.workload, "rate": run.rate, "cache_reset": run.cache_reset,
+        "runs": [{"system": run.system, "workload": run.workload, "rate": run.rate, "repeats": run.repeats,
+                  "cache_reset": run.cache_reset,
                   **run.metrics} for record in sweep.systems for run in record.runs],
         "goodput": {workload: c["goodput"]["values"] for workload, c in comparisons.items()},
         "comparisons": comparisons,

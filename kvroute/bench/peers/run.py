@@ -1,12 +1,22 @@
-"""The sweep: every system in turn, every workload and rate on it, the same requests for all.
+"""The sweep: every workload and rate on every system, the same requests for all.
 
-::
+Interleaved (the default)::
 
     build every workload's requests at every rate (the same for every system)
-    per system, in the order given (a system that cannot run is recorded as skipped, with why):
-        start it (systems.running) ─▶ a few unmeasured warm-up requests
-        per workload, per rate:  reset its caches ─▶ replay open loop ─▶ report.run_metrics
-        stop it (also on an error or Ctrl-C, which ends the sweep with what was measured)
+    start every system (systems.running), one after another, each warmed up with a few
+        unmeasured requests; all stay up, idle while another is measured
+    per workload, per rate, ``repeats`` times:
+        per system, in the order given, reversed every other run (A B C, C B A, ...):
+            reset its caches ─▶ replay open loop
+    per system, workload and rate: report.run_metrics over the rows of all its repeats
+    stop every system (also on an error or Ctrl-C, which ends the sweep with what was measured)
+
+Why interleaved: on a shared machine the speed of the same engine drifts by tens of percent
+over minutes (measured here: one vLLM server's TPOT went from 85 to 65 ms over six rounds of
+the same requests), so systems measured one after another differ by the drift as much as by
+what they do; alternated run by run, with the order reversed every other run, each system
+sees the same drift. ``sequential`` starts one system at a time instead (each stopped before
+the next starts), for a machine without the memory to hold them all at once.
 
 Requests go through kvroute's replay client (``replay.replay``) with no policy header; only
 kvroute's rows get decision records (``ReplayTarget.fetch_decisions``).
@@ -15,6 +25,7 @@ kvroute's rows get decision records (``ReplayTarget.fetch_decisions``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,16 +62,25 @@ class SweepSettings:
     start_timeout_s: float = 900
     request_timeout_s: float = 600
     warmup_requests: int = 3
+    sequential: bool = False  # one system at a time instead of alternated run by run
+    repeats: int = 1  # runs per system, workload and rate; the metrics are over all of them
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError("repeats must be at least 1")
 
 
 @dataclass
 class RunRecord:
+    """One system's ``repeats`` runs of one workload at one rate: every row, metrics over all."""
+
     system: str
     workload: str
     rate: float
     rows: list[Row]
     metrics: dict
-    cache_reset: dict
+    cache_reset: dict  # the first run's; ``repeats`` says how many runs the rows came from
+    repeats: int = 1
 
 
 @dataclass
@@ -104,37 +124,97 @@ def sweep(systems: list[Plan | Skipped], settings: SweepSettings, log_dir: Path,
     built = build_workloads(settings)
     result = Sweep(sources={f"{w}@{r:g}": {"requests": len(items), **source}
                             for (w, r), (items, source, _) in built.items()})
-    for entry in track(systems, "systems", console, name=lambda entry: entry.system):
+    runnable: list[tuple[Plan, SystemRecord]] = []
+    for entry in systems:
         if isinstance(entry, Skipped):
             console.print(f"[yellow]{entry.system}: skipped: {entry.reason}[/]", highlight=False)
             result.systems.append(SystemRecord(entry.system, skipped=entry.reason))
             continue
         record = SystemRecord(entry.system, entry.description, entry.settings)
         result.systems.append(record)
-        try:
-            measure_system(entry, built, settings, log_dir, console, record)
-        except (SystemStartError, ReplayError) as error:
-            record.skipped = f"did not run: {error}"
-            console.print(f"[red]{entry.system}: {record.skipped}[/]", highlight=False)
-        except KeyboardInterrupt:
-            console.print("[red]interrupted; every process stopped, writing what was measured[/]")
-            result.aborted = "interrupted"
-            break
+        runnable.append((entry, record))
+    try:
+        if settings.sequential:
+            for plan, record in track(runnable, "systems", console, name=lambda entry: entry[0].system):
+                measure_alternated([(plan, record)], built, settings, log_dir, console)
+        else:
+            measure_alternated(runnable, built, settings, log_dir, console)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted; every process stopped, writing what was measured[/]")
+        result.aborted = "interrupted"
     return result
 
 
-def measure_system(plan: Plan, built: dict[tuple[str, float], Workload], settings: SweepSettings,
-                   log_dir: Path, console: Console, record: SystemRecord) -> None:
+@dataclass
+class _Live:
+    """A started system in a sweep, and what its runs gathered so far."""
+
+    plan: Plan
+    record: SystemRecord
+    system: RunningSystem
+    target: ReplayTarget
+    gathered: dict[tuple[str, float], RunRecord] = field(default_factory=dict)
+
+
+def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tuple[str, float], Workload],
+                       settings: SweepSettings, log_dir: Path, console: Console) -> None:
+    """Start every system of ``entries`` and keep them up, then run each workload and rate
+    ``settings.repeats`` times on each, alternating the systems' order run by run. A system
+    that does not start, or whose replay breaks, is recorded as not run (with why) and left out
+    of the runs that follow; the others go on."""
+    with contextlib.ExitStack() as stack:
+        live: list[_Live] = []
+        for plan, record in entries:
+            try:
+                live.append(_start(plan, record, stack, settings, log_dir, console))
+            except (SystemStartError, ReplayError) as error:
+                _did_not_run(record, error, console)
+        runs = [(key, workload) for key, workload in built.items() for _ in range(settings.repeats)]
+        for n, ((name, rate), (items, _, lengths)) in enumerate(
+                track(runs, "workloads and rates", console, name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s")):
+            for entry in list(live if n % 2 == 0 else reversed(live)):
+                try:
+                    run = measure_run(entry.system, entry.target, name, rate, items, lengths, settings, console)
+                except ReplayError as error:
+                    _did_not_run(entry.record, error, console)
+                    live.remove(entry)
+                    continue
+                _gather(entry, run, lengths, settings)
+        for entry in live:
+            entry.record.runs.extend(entry.gathered.values())
+
+
+def _start(plan: Plan, record: SystemRecord, stack: contextlib.ExitStack, settings: SweepSettings,
+           log_dir: Path, console: Console) -> _Live:
     console.print(f"[bold]{plan.system}[/]: starting {plan.description}", highlight=False)
     started = time.monotonic()
-    with running(plan, log_dir, settings.start_timeout_s) as system:
-        record.start_s = time.monotonic() - started
-        target = _target(system, settings.request_timeout_s)
-        console.print(f"  ready in {record.start_s:.0f} s at {system.url}", highlight=False)
-        warm_up(target, settings, plan.system)
-        for (workload, rate), (items, _, lengths) in track(built.items(), "workloads and rates", console,
-                                                            name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s"):
-            record.runs.append(measure_run(system, target, workload, rate, items, lengths, settings, console))
+    system = stack.enter_context(running(plan, log_dir, settings.start_timeout_s))
+    record.start_s = time.monotonic() - started
+    target = _target(system, settings.request_timeout_s)
+    console.print(f"  ready in {record.start_s:.0f} s at {system.url}", highlight=False)
+    warm_up(target, settings, plan.system)
+    return _Live(plan, record, system, target)
+
+
+def _did_not_run(record: SystemRecord, error: Exception, console: Console) -> None:
+    record.skipped = f"did not run: {error}"
+    console.print(f"[red]{record.system}: {record.skipped}[/]", highlight=False)
+
+
+def _gather(entry: _Live, run: RunRecord, lengths: dict[int, int | None], settings: SweepSettings) -> None:
+    """Add a repeat's rows to the system's record of that workload and rate."""
+    key = (run.workload, run.rate)
+    earlier = entry.gathered.get(key)
+    if earlier is None:
+        entry.gathered[key] = run
+        return
+    rows = earlier.rows + run.rows
+    duration = earlier.metrics["duration_s"] + run.metrics["duration_s"]
+    metrics = report.run_metrics(rows, duration, settings.targets, lengths)
+    if "router_kv_index" in run.metrics:
+        metrics["router_kv_index"] = run.metrics["router_kv_index"]
+    entry.gathered[key] = RunRecord(run.system, run.workload, run.rate, rows, metrics, earlier.cache_reset,
+                                    earlier.repeats + 1)
 
 
 def measure_run(system: RunningSystem, target: ReplayTarget, workload: str, rate: float, items: list[ReplayItem],
