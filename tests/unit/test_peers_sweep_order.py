@@ -100,3 +100,19 @@ def test_a_system_that_fails_is_recorded_and_the_others_go_on(events):
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="repeats"):
         settings(repeats=0)
+
+
+def test_an_interrupted_sweep_keeps_what_was_measured(events, monkeypatch):
+    happened, _ = events
+    measured = run.measure_run
+
+    def interrupted_at_the_second_rate(system, target, workload, rate, *args):
+        if rate == 1.0:
+            raise KeyboardInterrupt
+        return measured(system, target, workload, rate, *args)
+
+    monkeypatch.setattr(run, "measure_run", interrupted_at_the_second_rate)
+    result = sweep(plans("a", "b"))
+    assert result.aborted == "interrupted"
+    assert [[r.rate for r in record.runs] for record in result.systems] == [[0.5], [0.5]]
+    assert ("stop", "a") in happened and ("stop", "b") in happened

@@ -170,18 +170,20 @@ def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tup
             except (SystemStartError, ReplayError) as error:
                 _did_not_run(record, error, console)
         runs = [(key, workload) for key, workload in built.items() for _ in range(settings.repeats)]
-        for n, ((name, rate), (items, _, lengths)) in enumerate(
-                track(runs, "workloads and rates", console, name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s")):
-            for entry in list(live if n % 2 == 0 else reversed(live)):
-                try:
-                    run = measure_run(entry.system, entry.target, name, rate, items, lengths, settings, console)
-                except ReplayError as error:
-                    _did_not_run(entry.record, error, console)
-                    live.remove(entry)
-                    continue
-                _gather(entry, run, lengths, settings)
-        for entry in live:
-            entry.record.runs.extend(entry.gathered.values())
+        try:
+            for n, ((name, rate), (items, _, lengths)) in enumerate(
+                    track(runs, "workloads and rates", console, name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s")):
+                for entry in list(live if n % 2 == 0 else reversed(live)):
+                    try:
+                        run = measure_run(entry.system, entry.target, name, rate, items, lengths, settings, console)
+                    except ReplayError as error:
+                        _did_not_run(entry.record, error, console)
+                        live.remove(entry)
+                        continue
+                    _gather(entry, run, lengths, settings)
+        finally:  # also on Ctrl-C: what was measured is kept
+            for entry in live:
+                entry.record.runs.extend(entry.gathered.values())
 
 
 def _start(plan: Plan, record: SystemRecord, stack: contextlib.ExitStack, settings: SweepSettings,
