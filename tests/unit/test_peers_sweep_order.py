@@ -116,3 +116,18 @@ def test_an_interrupted_sweep_keeps_what_was_measured(events, monkeypatch):
     assert result.aborted == "interrupted"
     assert [[r.rate for r in record.runs] for record in result.systems] == [[0.5], [0.5]]
     assert ("stop", "a") in happened and ("stop", "b") in happened
+
+
+def test_a_system_whose_replay_breaks_later_keeps_its_earlier_runs(events, monkeypatch):
+    measured = run.measure_run
+
+    def breaks_at_the_second_rate(system, target, workload, rate, *args):
+        if system.plan.system == "a" and rate == 1.0:
+            raise ReplayError("connection refused")
+        return measured(system, target, workload, rate, *args)
+
+    monkeypatch.setattr(run, "measure_run", breaks_at_the_second_rate)
+    result = sweep(plans("a", "b"))
+    a, b = result.systems
+    assert a.skipped == "stopped running: connection refused" and [r.rate for r in a.runs] == [0.5]
+    assert b.skipped is None and [r.rate for r in b.runs] == [0.5, 1.0]

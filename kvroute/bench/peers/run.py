@@ -163,12 +163,13 @@ def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tup
     that does not start, or whose replay breaks, is recorded as not run (with why) and left out
     of the runs that follow; the others go on."""
     with contextlib.ExitStack() as stack:
-        live: list[_Live] = []
+        started: list[_Live] = []
         for plan, record in entries:
             try:
-                live.append(_start(plan, record, stack, settings, log_dir, console))
+                started.append(_start(plan, record, stack, settings, log_dir, console))
             except (SystemStartError, ReplayError) as error:
                 _did_not_run(record, error, console)
+        live = list(started)
         runs = [(key, workload) for key, workload in built.items() for _ in range(settings.repeats)]
         try:
             for n, ((name, rate), (items, _, lengths)) in enumerate(
@@ -177,12 +178,12 @@ def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tup
                     try:
                         run = measure_run(entry.system, entry.target, name, rate, items, lengths, settings, console)
                     except ReplayError as error:
-                        _did_not_run(entry.record, error, console)
+                        _did_not_run(entry.record, error, console, "stopped running" if entry.gathered else "")
                         live.remove(entry)
                         continue
                     _gather(entry, run, lengths, settings)
-        finally:  # also on Ctrl-C: what was measured is kept
-            for entry in live:
+        finally:  # also on Ctrl-C, and for a system whose replay broke later: what was measured is kept
+            for entry in started:
                 entry.record.runs.extend(entry.gathered.values())
 
 
@@ -198,8 +199,8 @@ def _start(plan: Plan, record: SystemRecord, stack: contextlib.ExitStack, settin
     return _Live(plan, record, system, target)
 
 
-def _did_not_run(record: SystemRecord, error: Exception, console: Console) -> None:
-    record.skipped = f"did not run: {error}"
+def _did_not_run(record: SystemRecord, error: Exception, console: Console, what: str = "") -> None:
+    record.skipped = f"{what or 'did not run'}: {error}"
     console.print(f"[red]{record.system}: {record.skipped}[/]", highlight=False)
 
 

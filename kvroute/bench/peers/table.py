@@ -25,10 +25,11 @@ def workload_table(sweep: Sweep, workload: str, targets: report.Targets) -> Tabl
     for column in COLUMNS:
         table.add_column(column, justify="left" if column == "system" else "right")
     for record in sweep.systems:
-        if record.skipped:
+        runs = [r for r in record.runs if r.workload == workload]
+        if record.skipped and not runs:
             table.add_row(record.system, "", "skipped", *[""] * (len(COLUMNS) - 4), "(why: below)")
             continue
-        for run in (r for r in record.runs if r.workload == workload):
+        for run in runs:  # a system that stopped running later still shows what it measured
             m = run.metrics
             table.add_row(record.system, f"{run.rate:g}", f"{m['succeeded']}/{m['errors']}/{m['lost']}",
                           ms(m["ttft_p50_s"]), ms(m["ttft_p99_s"]), ms(m["tpot_p50_s"]), ms(m["tpot_p99_s"]),
