@@ -136,9 +136,9 @@ def sweep(systems: list[Plan | Skipped], settings: SweepSettings, log_dir: Path,
     try:
         if settings.sequential:
             for plan, record in track(runnable, "systems", console, name=lambda entry: entry[0].system):
-                measure_alternated([(plan, record)], built, settings, log_dir, console)
+                measure_systems([(plan, record)], built, settings, log_dir, console)
         else:
-            measure_alternated(runnable, built, settings, log_dir, console)
+            measure_systems(runnable, built, settings, log_dir, console)
     except KeyboardInterrupt:
         console.print("[red]interrupted; every process stopped, writing what was measured[/]")
         result.aborted = "interrupted"
@@ -149,14 +149,13 @@ def sweep(systems: list[Plan | Skipped], settings: SweepSettings, log_dir: Path,
 class _Live:
     """A started system in a sweep, and what its runs gathered so far."""
 
-    plan: Plan
     record: SystemRecord
     system: RunningSystem
     target: ReplayTarget
     gathered: dict[tuple[str, float], RunRecord] = field(default_factory=dict)
 
 
-def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tuple[str, float], Workload],
+def measure_systems(entries: list[tuple[Plan, SystemRecord]], built: dict[tuple[str, float], Workload],
                        settings: SweepSettings, log_dir: Path, console: Console) -> None:
     """Start every system of ``entries`` and keep them up, then run each workload and rate
     ``settings.repeats`` times on each, alternating the systems' order run by run. A system
@@ -172,11 +171,12 @@ def measure_alternated(entries: list[tuple[Plan, SystemRecord]], built: dict[tup
         live = list(started)
         runs = [(key, workload) for key, workload in built.items() for _ in range(settings.repeats)]
         try:
-            for n, ((name, rate), (items, _, lengths)) in enumerate(
+            for n, ((workload, rate), (items, _, lengths)) in enumerate(
                     track(runs, "workloads and rates", console, name=lambda run: f"{run[0][0]} @{run[0][1]:g}/s")):
                 for entry in list(live if n % 2 == 0 else reversed(live)):
                     try:
-                        run = measure_run(entry.system, entry.target, name, rate, items, lengths, settings, console)
+                        run = measure_run(entry.system, entry.target, workload, rate, items, lengths, settings,
+                                          console)
                     except ReplayError as error:
                         _did_not_run(entry.record, error, console, "stopped running" if entry.gathered else "")
                         live.remove(entry)
@@ -196,7 +196,7 @@ def _start(plan: Plan, record: SystemRecord, stack: contextlib.ExitStack, settin
     target = _target(system, settings.request_timeout_s)
     console.print(f"  ready in {record.start_s:.0f} s at {system.url}", highlight=False)
     warm_up(target, settings, plan.system)
-    return _Live(plan, record, system, target)
+    return _Live(record, system, target)
 
 
 def _did_not_run(record: SystemRecord, error: Exception, console: Console, what: str = "") -> None:
@@ -213,9 +213,8 @@ def _gather(entry: _Live, run: RunRecord, lengths: dict[int, int | None], settin
         return
     rows = earlier.rows + run.rows
     duration = earlier.metrics["duration_s"] + run.metrics["duration_s"]
-    metrics = report.run_metrics(rows, duration, settings.targets, lengths)
-    if "router_kv_index" in run.metrics:
-        metrics["router_kv_index"] = run.metrics["router_kv_index"]
+    # Over every row; what a run adds beyond run_metrics (router_kv_index) is the latest run's.
+    metrics = {**run.metrics, **report.run_metrics(rows, duration, settings.targets, lengths)}
     entry.gathered[key] = RunRecord(run.system, run.workload, run.rate, rows, metrics, earlier.cache_reset,
                                     earlier.repeats + 1)
 
