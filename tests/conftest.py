@@ -8,7 +8,7 @@
     tests/e2e          real vLLM engines (workers, ``kvroute serve``), the real model's preparation
 
 The marker is applied here, by path, so a file cannot forget it, and a test outside the
-four folders fails the collection. Every run ends with the time spent in each tier.
+four folders fails the collection. Every run ends with the time spent in each tier and in the slowest modules.
 
 Every test speaks under one cluster key folder made for the run, as a deployment does:
 this process (which plays the orchestrator, and hosts worker-side servers in contract
@@ -29,6 +29,7 @@ from foundation import cluster_keys, zmq_auth
 
 TIERS = ("unit", "contract", "integration", "e2e")
 TESTS = Path(__file__).resolve().parent
+SLOWEST_MODULES = 15
 
 
 def tier_of(path: Path) -> str | None:
@@ -66,6 +67,17 @@ class TierLedger:
             seconds[self.tier[nodeid]] += self.seconds[nodeid]
             counts[self.tier[nodeid]][outcome] += 1
         return {tier: (seconds[tier], counts[tier]) for tier in TIERS if tier in counts}
+
+    def slowest_modules(self, count: int) -> list[tuple[str, float, int]]:
+        """(module, seconds, tests) of the ``count`` modules that took longest: a module's stack
+        set-up is charged to its first test, so per-test durations hide what a module costs."""
+        seconds, tests = defaultdict(float), Counter()
+        for nodeid in self.outcome:
+            module = nodeid.split("::")[0]
+            seconds[module] += self.seconds[nodeid]
+            tests[module] += 1
+        ranked = sorted(seconds, key=seconds.get, reverse=True)[:count]
+        return [(module, seconds[module], tests[module]) for module in ranked]
 
 
 LEDGER = TierLedger()
@@ -113,3 +125,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
         detail = ", ".join(f"{counts[kind]} {kind}" for kind in ("passed", "failed", "error", "skipped")
                            if counts[kind])
         terminalreporter.write_line(f"{tier:<12}{seconds:9.1f} s {sum(counts.values()):6d} tests  ({detail})")
+    terminalreporter.section(f"slowest {SLOWEST_MODULES} modules")
+    for module, seconds, tests in LEDGER.slowest_modules(SLOWEST_MODULES):
+        terminalreporter.write_line(f"{seconds:9.1f} s {tests:5d} tests  {module}")
