@@ -1,9 +1,9 @@
 """A discrete-event simulator of a kvroute cluster that drives the production planner.
 
-N prefill and M decode workers behave like vLLM engines (``engine``: block prefix cache
-with LRU eviction, chunked prefill, continuous-batching decode, KV capacity); KV moves
-between them over links (``links``), and with node KV stores from a store per node
-(``node_store``); step and transfer times come from a calibration
+Prefill, decode and unified workers (any topology of ``kvroute serve``) behave like vLLM
+engines (``engine``: block prefix cache with LRU eviction, chunked prefill, continuous-
+batching decode, KV capacity); KV moves between them over links (``links``), and with node
+KV stores from a store per node (``node_store``); step and transfer times come from a calibration
 (``calibration``, fitted from a real run by ``from_replay``), stretched where engines
 share CPU cores (``cpu``). Every placement is made by the orchestrator's own policies,
 from the same ``WorkerView``s and ``PrefixIndex`` the service builds (``fleet``, ``loop``).

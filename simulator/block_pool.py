@@ -140,3 +140,14 @@ class BlockPool:
             self._evict_first.discard(key)
         self.num_evicted += count
         self._events.append(BlockRemoved(block_hashes=evicted))
+
+
+def publish_stored(pool: BlockPool, keys: Sequence[BlockHash], token_ids: Sequence[int], start: int, end: int,
+                   block_size: int) -> None:
+    """Publish blocks ``start..end`` of a prompt (``keys``, its ``token_ids``) as stored, in
+    one event chained to the block before them, as vLLM reports a run of newly cached blocks."""
+    if start >= end:
+        return
+    parent = keys[start - 1] if start else None
+    pool.publish(BlockStored(block_hashes=list(keys[start:end]), parent_block_hash=parent,
+                             token_ids=list(token_ids[start * block_size:end * block_size]), block_size=block_size))

@@ -59,9 +59,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from foundation.identity import BlockHash
-from foundation.kv_events import BlockStored
 from orchestrator.tier_holdings import NO_RUN, TierRun
-from simulator.block_pool import BlockPool
+from simulator.block_pool import BlockPool, publish_stored
 from simulator.node_store import NodeStore
 from simulator.sequence import Admission, EngineRequest, Produced, RequestState, ceil_div
 
@@ -402,12 +401,8 @@ class Engine:
         request.num_registered = max(request.num_registered, done)
 
     def _publish_run(self, request: EngineRequest, start: int | None, end: int) -> None:
-        if start is None or start >= end:
-            return
-        size = self.config.block_size
-        parent = request.block_keys[start - 1] if start else None
-        self.pool.publish(BlockStored(block_hashes=request.block_keys[start:end], parent_block_hash=parent,
-                                      token_ids=request.token_ids[start * size:end * size], block_size=size))
+        if start is not None:
+            publish_stored(self.pool, request.block_keys, request.token_ids, start, end, self.config.block_size)
 
     def _first_output(self, request: EngineRequest) -> None:
         request.awaiting_output = False

@@ -34,8 +34,10 @@ as the service hands it, a ``LazyPool`` that dates a view (and gives a matched w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from foundation import wire
 from foundation.identity import BlockHash
 from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
@@ -88,11 +90,12 @@ class ActiveStep:
 
 class SimWorker:
     def __init__(self, worker_id: str, role: str, config: EngineConfig, bytes_per_token: int,
-                 stats_at_step_end: bool = False, position: int = 0, changed: set[int] | None = None,
+                 stats_at_step_end: bool = False, slots: tuple[tuple[set[int], int], ...] = (),
                  store: NodeStore | None = None):
         self.worker_id = worker_id
-        self.position = position  # in its pool
-        self._changed = changed if changed is not None else set()  # its pool's workers touched since read
+        # Per pool it is in (a unified worker is in both): that pool's set of workers touched
+        # since read, and its position there.
+        self._slots = slots
         self.role = role
         self.store = store  # its node's KV store (None: no node tier)
         self.engine = Engine(config, store)
@@ -111,7 +114,8 @@ class SimWorker:
     def touch(self) -> None:
         """Its state changed: the next decision needs a fresh view."""
         self._view = None
-        self._changed.add(self.position)
+        for changed, position in self._slots:
+            changed.add(position)
 
     def load_key(self) -> LoadKey:
         """``candidates.load_key`` of its view now (dating a view leaves its load as it is)."""
@@ -167,30 +171,39 @@ def with_head_elapsed(view: WorkerView, seconds: float) -> WorkerView:
 
 
 class SimFleet:
-    def __init__(self, num_prefill: int, num_decode: int, prefill_config: EngineConfig,
-                 decode_config: EngineConfig, bytes_per_token: int, stats_at_step_end: bool = False,
-                 tier: TierSettings = TierSettings()):
-        if num_prefill < 1 or num_decode < 1:
-            raise ValueError("the service needs a live prefill and a live decode worker; so does the simulator")
-        if prefill_config.block_size != decode_config.block_size:
-            raise ValueError("prefill and decode engines must share a block size, as the orchestrator assumes")
-        self.block_size = decode_config.block_size
-        width = len(str(max(num_prefill, num_decode)))
-        sizes, configs = {"prefill": num_prefill, "decode": num_decode}, {"prefill": prefill_config,
-                                                                          "decode": decode_config}
-        # Per pool: every worker's load key, as of the last decision, and the positions of
-        # those touched since (so a decision re-reads the few that changed, not all 1,000).
-        self._changed: dict[str, set[int]] = {role: set(range(size)) for role, size in sizes.items()}
-        self._load_keys: dict[str, list[LoadKey | None]] = {role: [None] * size for role, size in sizes.items()}
-        ids = {role: [f"{role}-{i:0{width}d}" for i in range(size)] for role, size in sizes.items()}
-        self.stores = node_stores(ids["prefill"] + ids["decode"], tier)  # worker id → its node's store
+    """The workers of ``counts`` (workers per role) with ``configs`` (an engine per role), in
+    fleet order: prefill workers, decode workers, then unified ones. The planner's two pools
+    are the prefill workers then the unified ones, and the decode workers then the unified
+    ones: a unified worker's one engine is in both, as ``foundation.wire.serves`` says."""
+
+    def __init__(self, counts: Mapping[str, int], configs: Mapping[str, EngineConfig], bytes_per_token: int,
+                 stats_at_step_end: bool = False, tier: TierSettings = TierSettings()):
+        check_counts(counts)
+        roles = [role for role in wire.ROLES if counts.get(role, 0) > 0]
+        if len({configs[role].block_size for role in roles}) > 1:
+            raise ValueError("every engine must share a block size, as the orchestrator assumes")
+        self.block_size = configs[roles[0]].block_size
+        width = len(str(max(counts.get(role, 0) for role in roles)))
+        ids = [(role, f"{role}-{i:0{width}d}") for role in roles for i in range(counts[role])]
+        # Per pool: each member's position, every member's load key as of the last decision,
+        # and the positions of those touched since (so a decision re-reads the few that
+        # changed, not all 1,000).
+        self._positions = {pool: {worker_id: position for position, worker_id in
+                                  enumerate(w for role, w in ids if wire.serves(role, pool))}
+                           for pool in wire.POOLS}
+        self._changed: dict[str, set[int]] = {pool: set(members.values()) for pool, members in self._positions.items()}
+        self._load_keys: dict[str, list[LoadKey | None]] = {pool: [None] * len(members)
+                                                            for pool, members in self._positions.items()}
+        self.stores = node_stores([worker_id for _, worker_id in ids], tier)  # worker id → its node's store
         self.tiers = TierHoldings()  # what the stores hold, as the orchestrator knows it
-        self.pools: dict[str, list[SimWorker]] = {
-            role: [SimWorker(worker_id, role, configs[role], bytes_per_token, stats_at_step_end, i,
-                             self._changed[role], self.stores.get(worker_id))
-                   for i, worker_id in enumerate(ids[role])]
-            for role in sizes}
-        self.workers = {w.worker_id: w for pool in self.pools.values() for w in pool}
+        self.workers = {
+            worker_id: SimWorker(worker_id, role, configs[role], bytes_per_token, stats_at_step_end,
+                                 tuple((self._changed[pool], members[worker_id])
+                                       for pool, members in self._positions.items() if worker_id in members),
+                                 self.stores.get(worker_id))
+            for role, worker_id in ids}
+        self.pools: dict[str, list[SimWorker]] = {pool: [self.workers[w] for w in members]
+                                                  for pool, members in self._positions.items()}
         self.index = PrefixIndex()
         for worker_id in self.workers:
             self.index.reset_worker(worker_id, f"{worker_id}-sim")
@@ -232,10 +245,10 @@ class SimFleet:
             load_keys[position] = workers[position].load_key()
         changed.clear()
         cached = [0] * len(workers)
+        positions = self._positions[role]
         for worker_id, blocks in matches.items():
-            worker = self.workers[worker_id]
-            if worker.role == role:
-                cached[worker.position] = blocks
+            if worker_id in positions:
+                cached[positions[worker_id]] = blocks
         # The pool shares the key list: it is read within this decision, before any worker changes.
         return LazyPool(load_keys, self._reachable(workers, block_hashes, cached) if self.stores else cached, build)
 
@@ -244,6 +257,16 @@ class SimFleet:
         reach = self.tiers.reach(block_hashes)
         return [reach(None if worker.store is None else (worker.store.name, ""), blocks)
                 for worker, blocks in zip(workers, cached)]
+
+
+def check_counts(counts: Mapping[str, int]) -> None:
+    """A fleet serves with a unified worker, or with prefill and decode workers both (as
+    ``kvroute serve`` requires of a topology)."""
+    if any(counts.get(role, 0) < 0 for role in wire.ROLES) or set(counts) - set(wire.ROLES):
+        raise ValueError(f"worker counts must be non-negative, per role of {wire.ROLES}: {dict(counts)}")
+    if not counts.get("unified") and not (counts.get("prefill") and counts.get("decode")):
+        raise ValueError("the service needs a live prefill and a live decode worker, or a unified one; "
+                         "so does the simulator")
 
 
 def node_stores(worker_ids: list[str], tier: TierSettings) -> dict[str, NodeStore]:

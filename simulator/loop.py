@@ -6,6 +6,8 @@
       │  no plan (every worker at its cap): re-plan when a request ends, or every 0.25 s;
       │  still none after the admission wait: rejected (a 429 in service)
       ├─ LOCAL d:     d prefills (token 1) and decodes 2..N
+      ├─ PULL s⇒u:    s lends the prompt's cached head, the blocks u lacks move to u, and u
+      │               computes the rest and decodes (``simulator.lending``)
       └─ DISAGG p→d:  p prefills (token 1) ─▶ d admits it (local hit, blocks) ─▶ pull of the
                       prompt blocks d lacks over d's link ─▶ d decodes 2..N
     (with node stores: a prefilling engine first loads what its node's store holds past its
@@ -35,7 +37,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from foundation import identity
 from orchestrator.core_sharing import with_core_neighbours
@@ -47,12 +49,12 @@ from simulator.calibration import SimCalibration
 from simulator.cpu import Cores, CpuSettings, core_bindings
 from simulator.events import EventQueue
 from simulator.fleet import ActiveStep, SimFleet, SimWorker
+from simulator.flight import PENDING, RUNNING, Flight, record_of
+from simulator.lending import lend_request, lent_blocks_missing, take_lent_blocks
 from simulator.links import Links
 from simulator.records import FINISHED, REJECTED, RequestRecord
 from simulator.requests import ReplayRequest
 from simulator.sequence import EngineRequest, Produced, RequestState
-
-PENDING, RUNNING = "pending", "running"
 
 
 class ConservationError(AssertionError):
@@ -68,39 +70,6 @@ class AdmissionSettings:
     replan_seconds: float = 0.25  # service.ADMISSION_REPLAN_SECONDS
 
 
-@dataclass(eq=False)
-class Flight:
-    """One request's way through the cluster. Single writer: ``Simulation``."""
-
-    request: ReplayRequest
-    request_id: str
-    token_ids: list[int] | None
-    block_hashes: list[identity.BlockHash]
-    prompt_tokens: int
-    admit_by: float
-    decision: Decision | None = None
-    status: str = PENDING
-    tokens_out: int = 0
-    prefill_started_at: float | None = None
-    first_token_at: float | None = None
-    second_token_at: float | None = None
-    last_token_at: float | None = None
-    cached_tokens: int = 0
-    tier_tokens: int = 0
-    tier_disk_tokens: int = 0
-    tier_load_seconds: float = 0.0
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-
-    @property
-    def plan(self):
-        return self.decision.chosen if self.decision else None
-
-    @property
-    def prefilling_worker(self) -> str:
-        return self.plan.prefill_worker or self.plan.decode_worker
-
-
 class Simulation:
     def __init__(self, requests: Sequence[ReplayRequest], policy: Policy, fleet: SimFleet,
                  calibration: SimCalibration, cost_model: CostModel, admission: AdmissionSettings, seed: int,
@@ -113,8 +82,12 @@ class Simulation:
         self.bindings = core_bindings(self.cores)
         self.failed_pulls = failed_pulls
         self.flights: dict[str, Flight] = {}
+        self.lends: dict[str, Flight] = {}  # a PULL's lend request id → its flight, until lent
         self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
         self._jitter = random.Random(seed)
+        bind_prompts = getattr(policy, "bind_prompts", None)  # a router that reads the prompt (peer models)
+        if bind_prompts is not None:
+            bind_prompts(lambda request_id: self.flights[request_id].block_hashes)
 
     # ------------------------------------------------------------ the run
 
@@ -123,7 +96,7 @@ class Simulation:
             self.clock.at(request.arrival_seconds, self._arrive, request, f"req-{position:06d}-{request.index}")
         self.clock.run()
         self._check_nothing_left()
-        return [self._record(flight) for flight in self.flights.values()]
+        return [record_of(flight) for flight in self.flights.values()]
 
     @property
     def now(self) -> float:
@@ -161,10 +134,16 @@ class Simulation:
             worker = self.fleet.workers[worker_id]
             worker.in_flight += 1
             worker.touch()
-        local = decision.chosen.kind is PlanKind.LOCAL
+        kind = decision.chosen.kind
         prefilling = self.fleet.workers[flight.prefilling_worker]
         self.fleet.index.claim(prefilling.worker_id, flight.request_id, flight.block_hashes,
                                prefilling.engine.pool.num_total, self.now)
+        if kind is PlanKind.PULL:  # the source lends first (``simulator.lending``)
+            lend = lend_request(flight, decision.chosen, self.fleet.block_size)
+            self.lends[lend.request_id] = flight
+            self._submit(self.fleet.workers[decision.chosen.source_worker], lend)
+            return True
+        local = kind is PlanKind.LOCAL
         self._submit(prefilling,
                      EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
                                    max_tokens=flight.request.max_tokens if local else 1, hold_blocks=not local))
@@ -224,8 +203,8 @@ class Simulation:
         for request, run in admission.loads:
             self._start_load(worker, request, run)
         for request in admission.admitted:
-            flight = self.flights[request.request_id]
-            if flight.prefill_started_at is None and worker.worker_id == flight.prefilling_worker:
+            flight = self.flights.get(request.request_id)  # None: a lend
+            if flight and flight.prefill_started_at is None and worker.worker_id == flight.prefilling_worker:
                 flight.prefill_started_at = self.now
         if not admission.work:
             worker.report()  # idle: what it reports now stays true until its next step ends
@@ -284,8 +263,8 @@ class Simulation:
         worker.store.load(request.block_keys, request.num_registered, run.blocks)
         self.fleet.publish_store(worker.store)
         seconds = self.calibration.tier_load_seconds(run.host_blocks, run.disk_blocks, worker.bytes_per_block)
-        flight = self.flights[request.request_id]
-        if flight.prefill_started_at is None:
+        flight = self.flights.get(request.request_id)  # None: a lend
+        if flight and flight.prefill_started_at is None:
             flight.prefill_started_at = self.now
             flight.tier_load_seconds = seconds
         self.clock.at(self.now + seconds, self._loaded, worker, request, run.blocks)
@@ -310,6 +289,9 @@ class Simulation:
     # ------------------------------------------------------------ tokens and endings
 
     def _tokens(self, worker: SimWorker, produced: Produced) -> None:
+        if produced.request.request_id in self.lends:
+            self._lent(self.lends.pop(produced.request.request_id))
+            return
         flight = self.flights[produced.request.request_id]
         if flight.tokens_out == 0:
             self.fleet.index.settle(worker.worker_id, flight.request_id, self.now)
@@ -330,6 +312,20 @@ class Simulation:
                          EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
                                        max_tokens=flight.request.max_tokens, num_output=1, remote=True))
 
+    def _lent(self, flight: Flight) -> None:
+        """A PULL's source lent its blocks (its token is dropped): those the sink lacks move."""
+        sink = self.fleet.workers[flight.plan.decode_worker]
+        flight.transfer_bytes = lent_blocks_missing(sink.engine, flight, flight.plan) * sink.bytes_per_block
+        arrives_at = self.links.transfer(sink.worker_id, flight.transfer_bytes, self.now)
+        flight.transfer_seconds = arrives_at - self.now
+        self.clock.at(arrives_at, self._lend_landed, sink, flight)
+
+    def _lend_landed(self, sink: SimWorker, flight: Flight) -> None:
+        take_lent_blocks(sink.engine, flight, flight.plan)
+        self.fleet.publish(sink)
+        self._submit(sink, EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
+                                         max_tokens=flight.request.max_tokens))
+
     def _end(self, flight: Flight) -> None:
         if flight.status != RUNNING:
             raise ConservationError(f"{flight.request_id} ended twice (status {flight.status})")
@@ -343,7 +339,7 @@ class Simulation:
 
     def _check_nothing_left(self) -> None:
         unfinished = [f.request_id for f in self.flights.values() if f.status not in (FINISHED, REJECTED)]
-        if unfinished or len(self.flights) != len(self.requests):
+        if unfinished or self.lends or len(self.flights) != len(self.requests):
             raise ConservationError(f"{len(unfinished)} requests never ended, e.g. {unfinished[:3]}; "
                                     f"{len(self.flights)} of {len(self.requests)} arrived")
         for worker in self.fleet.workers.values():
@@ -354,26 +350,3 @@ class Simulation:
                                         f"{worker.in_flight} in flight")
         if self.cores.busy:
             raise ConservationError(f"engines still marked busy on their cores: {sorted(self.cores.busy)}")
-
-    # ------------------------------------------------------------ the record
-
-    def _record(self, flight: Flight) -> RequestRecord:
-        request, plan = flight.request, flight.plan
-        record = RequestRecord(request_id=flight.request_id, index=request.index,
-                               arrival_seconds=request.arrival_seconds, status=flight.status,
-                               prompt_tokens=flight.prompt_tokens, output_tokens=flight.tokens_out)
-        if flight.status != FINISHED:
-            return record
-        arrival, estimate = request.arrival_seconds, plan.estimate
-        gap = None if flight.second_token_at is None else flight.second_token_at - flight.first_token_at
-        return replace(record, plan=plan.kind.value, prefill_worker=flight.prefilling_worker,
-                       decode_worker=plan.decode_worker, cached_tokens=flight.cached_tokens,
-                       tier_tokens=flight.tier_tokens, tier_disk_tokens=flight.tier_disk_tokens,
-                       tier_load_seconds=flight.tier_load_seconds,
-                       predicted_reused_tokens=estimate.reused_tokens if estimate else 0,
-                       predicted_tier_tokens=estimate.tier_tokens if estimate else 0,
-                       estimated_ttft_seconds=estimate.ttft if estimate else None,
-                       queue_seconds=flight.prefill_started_at - arrival,
-                       ttft_seconds=flight.first_token_at - arrival, second_token_gap_seconds=gap,
-                       e2e_seconds=flight.last_token_at - arrival, transfer_bytes=flight.transfer_bytes,
-                       transfer_seconds=flight.transfer_seconds)

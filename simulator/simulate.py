@@ -28,7 +28,7 @@ from orchestrator.planner.settings import PlannerSettings
 from simulator.calibration import SimCalibration
 from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
-from simulator.fleet import SimFleet
+from simulator.fleet import SimFleet, check_counts
 from simulator.loop import AdmissionSettings, Simulation
 from simulator.node_store import StoreStats, TierSettings
 from simulator.records import PolicySummary, RequestRecord, summarize
@@ -40,6 +40,7 @@ from simulator.sequence import ceil_div
 class SimulationSettings:
     prefill_engine: EngineConfig = field(default_factory=EngineConfig)
     decode_engine: EngineConfig = field(default_factory=EngineConfig)
+    unified_engine: EngineConfig = field(default_factory=EngineConfig)  # for unified workers, if any
     planner: PlannerSettings = field(default_factory=PlannerSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     cost_model: CostModel | None = None  # None: calibration.cost_model()
@@ -86,21 +87,21 @@ class SimulationResult:
 
 def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 1, num_decode: int = 1,
              calibration: SimCalibration | None = None, seed: int = 0,
-             settings: SimulationSettings | None = None, tokenizer=None) -> SimulationResult:
+             settings: SimulationSettings | None = None, tokenizer=None, num_unified: int = 0) -> SimulationResult:
     """Replay ``trace_or_workload`` (a ``ScaledTrace``, trace requests, workload requests or
-    ``TokenRequest``s) under ``policy`` on ``num_prefill`` + ``num_decode`` workers."""
+    ``TokenRequest``s) under ``policy`` (a name, or a policy object) on ``num_prefill`` +
+    ``num_decode`` + ``num_unified`` workers."""
     started = time.perf_counter()
     calibration = calibration or SimCalibration()
     settings = settings or SimulationSettings()
     requests = replay_requests(trace_or_workload, tokenizer)
-    check_fits(requests, settings)
-    prefill_engine, decode_engine = settings.prefill_engine, settings.decode_engine
-    if settings.cpu.shared:
-        prefill_engine, decode_engine = (replace(prefill_engine, decode_runs=False),
-                                         replace(decode_engine, decode_runs=False))
-    fleet = SimFleet(num_prefill, num_decode, prefill_engine, decode_engine, calibration.bytes_per_token,
-                     settings.stats_at_step_end, settings.tier)
-    simulation = Simulation(requests, make_policy(policy, settings.planner), fleet, calibration,
+    counts = {"prefill": num_prefill, "decode": num_decode, "unified": num_unified}
+    configs = engine_configs(settings)
+    check_counts(counts)
+    check_fits(requests, [configs[role] for role, count in counts.items() if count])
+    fleet = SimFleet(counts, configs, calibration.bytes_per_token, settings.stats_at_step_end, settings.tier)
+    policy = make_policy(policy, settings.planner) if isinstance(policy, str) else policy
+    simulation = Simulation(requests, policy, fleet, calibration,
                             settings.cost_model or calibration.cost_model(), settings.admission, seed,
                             settings.cpu, settings.failed_pulls)
     records = simulation.run()
@@ -108,15 +109,24 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
                            w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)
                for w in fleet.workers.values()]
     stores = [store.stats() for store in {id(store): store for store in fleet.stores.values()}.values()]
-    return SimulationResult(policy, records, summarize(policy, records), workers, simulation.now,
+    return SimulationResult(policy.name, records, summarize(policy.name, records), workers, simulation.now,
                             simulation.clock.num_processed, time.perf_counter() - started, stores)
 
 
-def check_fits(requests: list[ReplayRequest], settings: SimulationSettings) -> None:
+def engine_configs(settings: SimulationSettings) -> dict[str, EngineConfig]:
+    """Each role's engine; where engines share cores, without decode runs (see the module docstring)."""
+    configs = {"prefill": settings.prefill_engine, "decode": settings.decode_engine,
+               "unified": settings.unified_engine}
+    if settings.cpu.shared:
+        return {role: replace(config, decode_runs=False) for role, config in configs.items()}
+    return configs
+
+
+def check_fits(requests: list[ReplayRequest], engines: list[EngineConfig]) -> None:
     """Every request's whole life must fit one engine, or it could wait forever (vLLM
     refuses such a configuration at start-up, for its longest context)."""
-    smallest = min(settings.prefill_engine.num_blocks, settings.decode_engine.num_blocks)
-    block_size = settings.decode_engine.block_size
+    smallest = min(engine.num_blocks for engine in engines)
+    block_size = engines[0].block_size
     for request in requests:
         lifetime = request.prompt_tokens + request.max_tokens
         if ceil_div(lifetime, block_size) > smallest:

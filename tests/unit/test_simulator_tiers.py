@@ -188,7 +188,7 @@ def test_a_pulling_consumer_does_not_look_in_its_store_and_writes_nothing_throug
 
 
 def test_the_planner_sends_a_prompt_to_the_worker_whose_node_store_holds_it():
-    fleet = SimFleet(2, 1, ENGINE, ENGINE, CALIBRATION.bytes_per_token,
+    fleet = SimFleet({"prefill": 2, "decode": 1}, {"prefill": ENGINE, "decode": ENGINE}, CALIBRATION.bytes_per_token,
                      tier=TierSettings(host_blocks=256, workers_per_node=1))
     prompt = tokens(1, 30 * BLOCK)
     keys = blocks_of(prompt)
