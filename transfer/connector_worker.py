@@ -30,6 +30,7 @@ from transfer.affinity import pin_current_thread, transfer_context, transfer_cpu
 from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
+from transfer.direct_reads import DirectReader
 from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
@@ -43,6 +44,7 @@ from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
 from transfer.tier_worker import TierWorker
 from transfer.transports.links import LinkTable
+from transfer.transports.nixl_agent import nixl_missing
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
@@ -78,6 +80,7 @@ class ConnectorWorker:
         self._idle_step = False
         self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
         self._reads_shared_copies = False  # known once the caches are registered
+        self._direct: DirectReader | None = None  # with a nixl link, on a host cache: see register
         self._tier: TierWorker | None = None
         if settings.node_store:
             self._tier = TierWorker(NodeStoreClient(settings.node_store, self._context), self.counters,
@@ -92,6 +95,8 @@ class ConnectorWorker:
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
         self._reads_shared_copies = (self._shares_copies and self.cache.is_host_memory
                                      and self.cache.layers[0].is_contiguous())
+        if self._reads_directly():
+            self._direct = DirectReader(self.cache, self.settings.link_settings().host)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -105,6 +110,13 @@ class ConnectorWorker:
                     "%d command queue(s) spin at most %.3f s after a command",
                     self.settings.transfer_bind, self.cache.spec, self._cpus, shortened,
                     self.settings.idle_spin_seconds)
+
+    def _reads_directly(self) -> bool:
+        """With a forced nixl link, pulls READ staged leases straight into a contiguous host
+        cache (``transfer.direct_reads``); other caches take the link's frames."""
+        cache = self.cache
+        return (self.settings.transfer_link == "nixl" and not nixl_missing() and cache.is_host_memory
+                and all(layer.is_contiguous() for layer in cache.layers))
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
@@ -213,7 +225,15 @@ class ConnectorWorker:
         cache = self.cache
         local = block_index_tensor(load.local_block_ids)
         deadline = time.monotonic() + self.settings.pull_timeout_seconds
-        store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
+
+        def store(layer: int, data: torch.Tensor) -> None:
+            cache.scatter_layer(layer, local, data)
+            self.counters.add(bytes_scattered=data.numel())
+
+        if self._direct is not None:
+            return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
+                               self._channels, checksum=self.settings.transfer_checksum,
+                               read_direct=self._direct_reader(load, deadline))
         if not self.settings.uses_links:
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
                                self._channels, read_shared=self._shared_reader(load),
@@ -221,6 +241,14 @@ class ConnectorWorker:
         link = self._links.get(load.source.address)
         return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline,
                               self._channels, checksum=self.settings.transfer_checksum)
+
+    def _direct_reader(self, load: LoadSpec, deadline: float):
+        """READs a producer's staged copy into this load's blocks with NIXL."""
+        def read(ref) -> int:
+            nbytes = self._direct.read(ref, list(load.local_block_ids), list(load.remote_indices), deadline)
+            self.counters.add(direct_pulls=1)
+            return nbytes
+        return read
 
     def _shared_reader(self, load: LoadSpec):
         """Reads a producer's shared copy into this load's blocks, if this cache can take it."""

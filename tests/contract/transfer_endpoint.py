@@ -116,7 +116,7 @@ def lying(**fields) -> type[BlockServer]:
     what the honest server sends."""
 
     class LyingServer(BlockServer):
-        def _accepted(self, request, shared_copy=None) -> wire.PullHeader:
-            return msgspec.structs.replace(super()._accepted(request, shared_copy), **fields)
+        def _accepted(self, request, shared_copy=None, direct=None) -> wire.PullHeader:
+            return msgspec.structs.replace(super()._accepted(request, shared_copy, direct), **fields)
 
     return LyingServer
