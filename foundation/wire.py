@@ -349,13 +349,16 @@ class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
 
 
 class DirectRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
-    """A staged lease's copy, registered with the producer's NIXL agent, for one pull to READ
-    (``transfer.direct_exports``): valid only while the lease lives and the pull's ``pin``
-    is held; the consumer confirms with ``ConfirmRead`` before it trusts what it read."""
+    """A staged lease's copy in the producer's staging arena, registered with its NIXL agent,
+    for one pull to READ (``transfer.direct_exports``): valid only while the lease lives and
+    the pull's ``pin`` is held; the consumer confirms with ``ConfirmRead`` before it trusts
+    what it read."""
 
     agent: str  # the producer agent's name
-    metadata: bytes  # its partial metadata: connection and this copy's registration
-    layer_addresses: list[int]  # where each layer's copy starts in the producer's memory
+    metadata: bytes  # its partial metadata: connection and the arena's registration, the same for every lease
+    arena_address: int  # where the arena starts in the producer's memory
+    arena_bytes: int
+    layer_offsets: list[int]  # where each layer's copy starts in the arena
     num_blocks: int  # blocks in each layer's copy, in wire format
     pin: int
     digests: bytes | None = None  # per layer, of the requested blocks in wire order, when checksums were asked

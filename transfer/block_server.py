@@ -8,8 +8,8 @@ Protocol over one ROUTER socket (client: a DEALER)::
         with ``checksum``, each frame comes after its xxh3 digest (transfer.transports.checksums)
     PullBlocks from this host, staged lease ──▶ PullHeader(ok, shared_copy): the consumer
         reads the lease's copy itself (transfer.shared_copies); no frames follow
-    PullBlocks(direct), staged lease ──▶ PullHeader(ok, direct): the consumer READs the copy
-        with NIXL (transfer.direct_exports), then ConfirmRead ──▶ ConfirmReadReply
+    PullBlocks(direct), lease in the staging arena ──▶ PullHeader(ok, direct): the consumer
+        READs the copy with NIXL (transfer.direct_exports), then ConfirmRead ──▶ ConfirmReadReply
     OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
     PullOverLink ──▶ PullHeader(ok), the layers as one transfer over the consumer's link
     ReleaseLease ──▶ ReleaseReply
@@ -148,7 +148,7 @@ class BlockServer:
                 self._expire_leases(now)
                 next_expiry = now + self.EXPIRY_INTERVAL_SECONDS
             self._retry_parked(now)
-            self.direct.tend(now, lambda handle: self.leases.get(handle) is not None)
+            self.direct.tend(now)
 
     def _poll_timeout_ms(self) -> float:
         if self.direct.pinned:
@@ -279,7 +279,7 @@ class BlockServer:
         if link is not None:
             self._send_over_link(link, request, lease, block_ids)
         elif lease.staged is not None:
-            self._send_staged(identity, lease.staged, request.block_indices, request.checksum)
+            self._send_staged(identity, lease, request.block_indices, request.checksum)
         else:
             self._send_layers(identity, block_ids, request.checksum)
         self.leases.mark_pulled(lease.handle)
@@ -296,13 +296,13 @@ class BlockServer:
         return True
 
     def _offer_direct(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
-        """Answer a consumer that READs with NIXL with the staged copy's registration; False:
-        send frames (the lease is in place, or NIXL cannot run here)."""
-        if not (isinstance(request, wire.PullBlocks) and request.direct and lease.staged is not None) or nixl_missing():
+        """Answer a consumer that READs with NIXL with where the lease lies in the staging arena;
+        False: send frames (the lease is elsewhere, or NIXL cannot run here)."""
+        if not (isinstance(request, wire.PullBlocks) and request.direct and lease.region is not None) or nixl_missing():
             return False
         try:
             ref = self.direct.offer(lease, request.block_indices, request.checksum, time.monotonic())
-        except Exception as error:  # noqa: BLE001 - NIXL refused to register: frames still work
+        except Exception as error:  # noqa: BLE001 - NIXL refused to register the arena: frames still work
             self._warnings.warn(peer_address(self._peer), "cannot offer a lease for direct reads (%s); "
                                 "sending frames", error)
             return False
@@ -365,25 +365,28 @@ class BlockServer:
             return
         self.counters.add(bytes_sent=sent, blocks_sent=len(block_ids))
 
-    def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int],
-                     checksum: bool) -> None:
-        """Send from a staged lease. Its copies are never written again and live as long as
-        any frame still references them, so a contiguous run of blocks goes out zero-copy
-        as it lies; other selections are gathered into send buffers first."""
-        cache, count = self.cache, len(indices)
+    def _send_staged(self, identity: bytes, lease, indices: list[int], checksum: bool) -> None:
+        """Send from a staged lease. Its copies are never written again while it lives, so a
+        contiguous run of blocks goes out zero-copy as it lies; other selections are gathered
+        into send buffers first. A copy in the staging arena outlives its lease only while
+        held, so its zero-copy sends are tracked and hold its region until they are done
+        (a memfd or private copy lives as long as pyzmq's reference to it)."""
+        cache, count, region = self.cache, len(indices), lease.region
         first = _first_of_run(indices)
         positions = None  # built once, only when some layer needs a gather
-        for copy in staged:
+        for copy in lease.staged:
             run = cache.run_of_copy(copy, first, count) if first is not None else None
             if run is not None:
-                send_frame(self._socket, self._prefix(identity, run, checksum), run, track=False)
+                tracker = send_frame(self._socket, self._prefix(identity, run, checksum), run, track=region is not None)
+                if tracker is not None:
+                    region.hold(tracker)
                 continue
             if positions is None:
                 positions = block_index_tensor(indices)
             slot, buffer = self._buffers.acquire(count * cache.layer_bytes_per_block)
             cache.select_from_copy(copy, positions, buffer)
             self._buffers.mark_sent(slot, send_frame(self._socket, self._prefix(identity, buffer, checksum), buffer))
-        self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(staged), blocks_sent=count)
+        self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(lease.staged), blocks_sent=count)
 
     @staticmethod
     def _prefix(identity: bytes, frame: torch.Tensor, checksum: bool) -> list[bytes]:

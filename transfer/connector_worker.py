@@ -42,9 +42,11 @@ from transfer.pull_records import PullRecords
 from transfer.settings import ConnectorSettings
 from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
+from transfer.staging_arena import StagingArena, stage_in_arena, staging_arena
 from transfer.tier_worker import TierWorker
 from transfer.transports.links import LinkTable
 from transfer.transports.nixl_agent import nixl_missing
+from transfer.transports.selection import hosted_backends
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
@@ -81,6 +83,7 @@ class ConnectorWorker:
         self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
         self._reads_shared_copies = False  # known once the caches are registered
         self._direct: DirectReader | None = None  # with a nixl link, on a host cache: see register
+        self._arena: StagingArena | None = None  # where leases are staged when this end hosts nixl
         self._tier: TierWorker | None = None
         if settings.node_store:
             self._tier = TierWorker(NodeStoreClient(settings.node_store, self._context), self.counters,
@@ -97,6 +100,8 @@ class ConnectorWorker:
                                      and self.cache.layers[0].is_contiguous())
         if self._reads_directly():
             self._direct = DirectReader(self.cache, self.settings.link_settings().host)
+        if self._offers_direct_reads():
+            self._arena = staging_arena(self.settings.staging_bytes)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -117,6 +122,12 @@ class ConnectorWorker:
         cache = self.cache
         return (self.settings.transfer_link == "nixl" and not nixl_missing() and cache.is_host_memory
                 and all(layer.is_contiguous() for layer in cache.layers))
+
+    def _offers_direct_reads(self) -> bool:
+        """An endpoint hosting nixl stages leases into this process's staging arena, for its
+        consumers to READ them directly (``transfer.direct_exports``)."""
+        return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
+                and self.cache.is_host_memory)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
@@ -151,12 +162,15 @@ class ConnectorWorker:
         return nbytes
 
     def _stage(self, lease: Lease) -> None:
-        """Copy a lease's blocks out of the engine's cache so the engine can free them:
-        into shared memory, which consumers on this host read directly, when it can be had."""
+        """Copy a lease's blocks out of the engine's cache so the engine can free them: into
+        the staging arena, which consumers READ with NIXL, when this end offers that; else into
+        shared memory, which consumers on this host read directly, when it can be had."""
         block_ids = block_index_tensor(lease.block_ids)
-        layers, shared = None, None
+        layers, shared, region = None, None, None
         try:
-            if self._shares_copies:
+            if self._arena is not None:
+                layers, region = stage_in_arena(self.cache, block_ids, self._arena) or (None, None)
+            if layers is None and self._shares_copies:
                 try:
                     layers, shared = stage_shared(self.cache, block_ids)
                 except OSError as error:  # e.g. out of descriptors: a private copy still frees the blocks
@@ -167,7 +181,7 @@ class ConnectorWorker:
         except Exception:  # the lease stays in place and is still served
             logger.exception("staging the lease of request %s failed; holding its blocks", lease.request_id)
             layers = None
-        self.leases.finish_staging(lease.handle, layers, shared)
+        self.leases.finish_staging(lease.handle, layers, shared, region)
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
@@ -297,6 +311,8 @@ class ConnectorWorker:
         self._channels.close()
         if self.server is not None:
             self.server.stop()
+        if self._direct is not None:
+            self._direct.close()
 
 
 __all__ = ["ConnectorWorker", "PullFailed"]

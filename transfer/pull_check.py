@@ -50,17 +50,20 @@ def header_differences(header: wire.PullHeader, request: wire.PullBlocks | wire.
 
 
 def _direct_differences(direct: wire.DirectRef, request: wire.PullBlocks | wire.PullOverLink) -> list[str]:
-    layers = request.layout.num_layers
+    layout = request.layout
     differences = []
     if not getattr(request, "direct", False):
         differences.append("a direct copy, which was not asked for")
-    if len(direct.layer_addresses) != layers:
-        differences.append(f"a direct copy of {len(direct.layer_addresses)} layers")
+    if len(direct.layer_offsets) != layout.num_layers:
+        differences.append(f"a direct copy of {len(direct.layer_offsets)} layers")
+    copy_bytes = direct.num_blocks * layout.bytes_per_block // max(layout.num_layers, 1)
+    if any(not 0 <= offset <= direct.arena_bytes - copy_bytes for offset in direct.layer_offsets):
+        differences.append(f"a direct copy lying outside its arena of {direct.arena_bytes} bytes")
     if direct.num_blocks <= max(request.block_indices, default=-1):
         differences.append(f"a direct copy of {direct.num_blocks} blocks for positions up to "
                            f"{max(request.block_indices)}")
     digest_bytes = len(direct.digests) if direct.digests is not None else 0
-    if digest_bytes != (DIGEST_BYTES * layers if request.checksum else 0):
+    if digest_bytes != (DIGEST_BYTES * layout.num_layers if request.checksum else 0):
         differences.append(f"{digest_bytes} bytes of digests with a direct copy")
     return differences
 

@@ -238,13 +238,6 @@ class Agent:
         """Load a known peer's partial metadata (memory it registered since)."""
         self._nixl.add_remote_agent(metadata)
 
-    def reload_peer(self, name: str, metadata: bytes) -> None:
-        """Forget all a known peer told us (its connection and every registration) and load
-        ``metadata`` instead; its count of holders stays."""
-        with self._peers_lock:
-            self._nixl.remove_remote_agent(name)
-            self._nixl.add_remote_agent(metadata)
-
     def drop_peer(self, name: str) -> None:
         with self._peers_lock:
             self._peers[name] -= 1
