@@ -127,7 +127,7 @@ class ConnectorWorker:
         """An endpoint hosting nixl stages leases into this process's staging arena, for its
         consumers to READ them directly (``transfer.direct_exports``)."""
         return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
-                and self.cache.is_host_memory)
+                and self.cache.is_host_memory and self.settings.staging_bytes > 0)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()

@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
+from foundation.netutil import free_port, tcp
+from foundation.wire import PullSource
 from tests.contract.transfer_endpoint import Producer, assert_pulled, stage_arena_lease
-from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, LAYOUTS, PRODUCER_BLOCKS, make_cache
+from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, LAYOUTS, PRODUCER_BLOCKS, block_bytes, make_cache
 from transfer.block_client import pull_blocks
 from transfer.connector_worker import ConnectorWorker
 from transfer.direct_reads import DirectReader
 from transfer.kv_layout import block_index_tensor
-from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.metadata import KVRouteConnectorMetadata, LeaseGrant, LoadSpec
 from transfer.pull_check import CorruptFrame
 from transfer.settings import ConnectorSettings
 from transfer.transports.nixl_agent import nixl_missing
@@ -50,9 +52,10 @@ def reader_of():
 
 
 def direct_pull(context, reader: DirectReader, source, positions, local_ids, checksum: bool = False,
-                before_read=lambda ref: None, deadline_seconds: float = DEADLINE_SECONDS) -> int:
+                before_read=lambda ref: None, deadline_seconds: float = DEADLINE_SECONDS,
+                expect_direct: bool = True) -> int:
     """A pull as the connector makes it with a nixl link: frames only if the producer cannot
-    offer the lease directly."""
+    offer the lease directly (``expect_direct`` False: it must not)."""
     deadline = time.monotonic() + deadline_seconds
     local = block_index_tensor(local_ids)
     scattered = []
@@ -63,7 +66,7 @@ def direct_pull(context, reader: DirectReader, source, positions, local_ids, che
     nbytes = pull_blocks(context, source, positions, reader._cache.spec,
                          lambda layer, data: scattered.append(reader._cache.scatter_layer(layer, local, data)),
                          deadline, checksum=checksum, read_direct=read)
-    assert not scattered, "a direct pull wrote frames into the cache"
+    assert bool(scattered) != expect_direct, "frames where a direct READ was due, or the reverse"
     return nbytes
 
 
@@ -229,5 +232,30 @@ def test_the_connector_reads_directly_with_a_nixl_link_and_scatters_nothing():
             counters = worker.counters.snapshot()
             assert counters.direct_pulls == 1 and counters.pulls_ok == 2
             assert counters.bytes_scattered == 2 * cache.spec.bytes_per_block  # the in-place lease's frames only
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("link", ["nixl", "endpoint"])
+def test_a_producer_connector_stages_into_the_arena_only_when_it_hosts_nixl(context, reader_of, link):
+    address = tcp("127.0.0.1", free_port())
+    settings = ConnectorSettings(transfer_address=address, transfer_bind=address, idle_spin_seconds=-1.0,
+                                 transfer_link=link)
+    worker = ConnectorWorker(settings, PRODUCER_BLOCKS, BLOCK_SIZE)
+    producer_cache = make_cache(torch.bfloat16, "block-dim-1", PRODUCER_BLOCKS, seed=99)
+    expected = make_cache(torch.bfloat16, "block-dim-1", PRODUCER_BLOCKS, seed=99)  # what the engine computed
+    worker.register({f"model.layers.{index}.attn": layer for index, layer in enumerate(producer_cache.layers)})
+    consumer = make_cache(torch.bfloat16, "block-dim-1", CONSUMER_BLOCKS, seed=None)
+    try:
+        worker.start(KVRouteConnectorMetadata(grants=[LeaseGrant("request", "handle", (6, 2, 9), 3 * BLOCK_SIZE)]))
+        lease = worker.leases.get("handle")
+        assert lease.staged is not None and (lease.region is not None) == (link == "nixl")
+        for layer in producer_cache.layers:
+            layer.zero_()  # the engine reuses the freed blocks: the lease must not care
+        source = PullSource(handle="handle", address=address, num_tokens=3 * BLOCK_SIZE, block_size=BLOCK_SIZE)
+        direct_pull(context, reader_of(consumer), source, [0, 1, 2], [0, 4, 3], expect_direct=link == "nixl")
+        for layer in range(len(consumer.layers)):
+            for remote, local in ((6, 0), (2, 4), (9, 3)):
+                assert torch.equal(block_bytes(consumer, layer, local), block_bytes(expected, layer, remote))
     finally:
         worker.shutdown()
