@@ -189,6 +189,11 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     tier_blocks_written: int = 0  # stored by the store (blocks it already held are not)
     tier_bytes_staged: int = 0
     tier_stage_microseconds: int = 0  # on the engine's thread, before its next step
+    # Pulls offered (producer) or READ (consumer) with NIXL straight from a staged lease into
+    # the consumer's cache (transfer.direct_reads), and bytes a consumer wrote into its cache
+    # from an intermediate buffer (received frames): none for a direct or shared-copy pull.
+    direct_pulls: int = 0
+    bytes_scattered: int = 0
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -327,6 +332,9 @@ class PullBlocks(_Message, tag="pull"):
     host: str = ""
     # Ask for an xxh3 digest of every frame (``transfer.frame_checksums``), checked before it is stored.
     checksum: bool = False
+    # The consumer READs staged leases with NIXL straight into its cache (``transfer.direct_reads``);
+    # a producer that can offer the lease that way answers with a DirectRef instead of frames.
+    direct: bool = False
 
 
 class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
@@ -338,6 +346,22 @@ class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
     fd: int
     name: str
     num_blocks: int
+
+
+class DirectRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """A staged lease's copy in the producer's staging arena, registered with its NIXL agent,
+    for one pull to READ (``transfer.direct_exports``): valid only while the lease lives and
+    the pull's ``pin`` is held; the consumer confirms with ``ConfirmRead`` before it trusts
+    what it read."""
+
+    agent: str  # the producer agent's name
+    metadata: bytes  # its partial metadata: connection and the arena's registration, the same for every lease
+    arena_address: int  # where the arena starts in the producer's memory
+    arena_bytes: int
+    layer_offsets: list[int]  # where each layer's copy starts in the arena
+    num_blocks: int  # blocks in each layer's copy, in wire format
+    pin: int
+    digests: bytes | None = None  # per layer, of the requested blocks in wire order, when checksums were asked
 
 
 class PullHeader(_Message, tag="pull_header"):
@@ -357,6 +381,20 @@ class PullHeader(_Message, tag="pull_header"):
     block_indices: list[int] = msgspec.field(default_factory=list)
     frame_bytes: int = 0  # bytes of one layer's frame: the blocks times a layer's bytes per block
     checksum: bool = False  # each frame is preceded by its digest (``transfer.frame_checksums``)
+    direct: DirectRef | None = None  # the consumer READs the blocks itself; nothing follows
+
+
+class ConfirmRead(_Message, tag="confirm_read"):
+    """After a READ of a DirectRef: was the lease live and the pin held until now? Sent on the
+    connection of the pull, after the READ completed, so a yes covers the whole READ."""
+
+    handle: str
+    pin: int
+
+
+class ConfirmReadReply(_Message, tag="confirm_read_reply"):
+    valid: bool
+    error: str = ""
 
 
 class ReleaseLease(_Message, tag="release"):
@@ -578,6 +616,8 @@ Message = (
     | PullBlocks
     | PullHeader
     | ReleaseLease
+    | ConfirmRead
+    | ConfirmReadReply
     | ReleaseReply
     | TransferStatsRequest
     | TransferStatsReply

@@ -38,14 +38,20 @@ LayerSink = Callable[[int, torch.Tensor], None]
 # Reads every requested block from a producer's shared copy into the cache; returns the
 # bytes read or raises SharedCopyUnavailable (see transfer.shared_copies.read_shared_copy).
 SharedCopyReader = Callable[[wire.SharedCopyRef], int]
+# READs the requested blocks of a producer's staged copy into the cache with NIXL; returns the
+# bytes read or raises PullFailed (see transfer.direct_reads.DirectReader.read).
+DirectReader = Callable[[wire.DirectRef], int]
 
 
 def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Sequence[int],
                 layout: wire.KVLayoutSpec, on_layer: LayerSink, deadline: float,
                 channels: ChannelPool | None = None, read_shared: SharedCopyReader | None = None,
-                checksum: bool = False) -> int:
+                checksum: bool = False, read_direct: DirectReader | None = None) -> int:
     """Pull the given lease positions; ``on_layer(layer, data)`` stores each layer.
 
+    With ``read_direct``, a producer holding the lease staged may offer its copy for a NIXL
+    READ instead; once ``read_direct`` has read it, the producer must confirm the lease was
+    live throughout (``ConfirmRead``), else the pull fails.
     With ``read_shared``, a producer on this host may offer the lease's copy in shared
     memory instead, which ``read_shared`` reads; when it cannot, the layers are asked for
     again as frames on the same connection. With ``checksum``, every frame comes after
@@ -56,10 +62,15 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
     header disagrees with the pull, CorruptFrame when a frame fails its checksum.
     """
     request = wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout,
-                              host=local_host() if read_shared is not None else "", checksum=checksum)
+                              host=local_host() if read_shared is not None else "", checksum=checksum,
+                              direct=read_direct is not None)
     try:
         with exchange(context, source.address, deadline, channels) as channel:
             header = _request_pull(channel, request)
+            if header.direct is not None:
+                nbytes = read_direct(header.direct)
+                _confirm_read(channel, source.handle, header.direct.pin)
+                return nbytes
             if header.shared_copy is not None:
                 try:
                     return read_shared(header.shared_copy)
@@ -78,6 +89,14 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
             return header.frame_bytes * header.num_layers
     except wire.WireError as error:
         raise PullFailed(str(error)) from error
+
+
+def _confirm_read(channel: Channel, handle: str, pin: int) -> None:
+    """Raise PullFailed unless the producer vouches that the READ saw the lease live."""
+    channel.send(wire.ConfirmRead(handle=handle, pin=pin))
+    reply = channel.receive_message()
+    if not isinstance(reply, wire.ConfirmReadReply) or not reply.valid:
+        raise PullFailed(f"the producer did not confirm the direct read: {getattr(reply, 'error', reply)}")
 
 
 def _check_digest(layer: int, frame: zmq.Frame, digest: bytes) -> None:

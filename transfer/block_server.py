@@ -8,6 +8,8 @@ Protocol over one ROUTER socket (client: a DEALER)::
         with ``checksum``, each frame comes after its xxh3 digest (transfer.transports.checksums)
     PullBlocks from this host, staged lease ──▶ PullHeader(ok, shared_copy): the consumer
         reads the lease's copy itself (transfer.shared_copies); no frames follow
+    PullBlocks(direct), lease in the staging arena ──▶ PullHeader(ok, direct): the consumer
+        READs the copy with NIXL (transfer.direct_exports), then ConfirmRead ──▶ ConfirmReadReply
     OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
     PullOverLink ──▶ PullHeader(ok), the layers as one transfer over the consumer's link
     ReleaseLease ──▶ ReleaseReply
@@ -49,6 +51,7 @@ from foundation.netutil import peer_address
 from foundation.zmq_auth import secure_server
 from transfer.affinity import pin_current_thread
 from transfer.counters import Counters
+from transfer.direct_exports import DirectExports
 from transfer.kv_layout import LayoutMismatch, PagedKVCache, block_index_tensor
 from transfer.leases import LeaseTable
 from transfer.link_control import LINK_OPEN_SECONDS, ProducerControl
@@ -58,7 +61,9 @@ from transfer.shared_copies import local_host
 from transfer.transports.base import Sender
 from transfer.transports.checksums import frame_digest
 from transfer.transports.errors import TransportError
+from transfer.transports.handshake import SENDER
 from transfer.transports.links import open_sender
+from transfer.transports.nixl_agent import agent_for, nixl_missing
 from transfer.transports.settings import TransportSettings
 
 logger = logging.getLogger("kvroute.transfer.server")
@@ -84,6 +89,9 @@ class BlockServer:
     # idle slowed decode steps (4 concurrent 256-token streams on one unified engine on
     # 2 cores: 62 ms a token with the 5 ms wake-ups, 47-48 ms without).
     PARKED_POLL_MS = 5
+    # While a consumer may be READing a lease directly, the agent is progressed this often: a
+    # consumer's first READ from this agent connects, which waits for this end's progress.
+    DIRECT_POLL_MS = 1
     EXPIRY_INTERVAL_SECONDS = 0.1
 
     def __init__(self, bind_address: str, cache: PagedKVCache, leases: LeaseTable,
@@ -110,6 +118,7 @@ class BlockServer:
         self._peer: zmq.Frame | None = None  # the message being handled, to name its sender in warnings
         self.link_settings = link_settings or TransportSettings()
         self._links: OrderedDict[str, Sender] = OrderedDict()  # by the consumer's link id
+        self.direct = DirectExports(cache, lambda: agent_for(SENDER, self.link_settings.host))
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvroute-block-server", daemon=True)
 
@@ -121,6 +130,7 @@ class BlockServer:
         self._thread.join(timeout=2)
         for sender in self._links.values():
             sender.close()
+        self.direct.close()
         self._socket.close(linger=0)
 
     def _run(self) -> None:
@@ -130,8 +140,7 @@ class BlockServer:
         poller.register(self._socket, zmq.POLLIN)
         next_expiry = 0.0
         while not self._stopping.is_set():
-            timeout = self.PARKED_POLL_MS if self._parked else self.EXPIRY_INTERVAL_SECONDS * 1000
-            if poller.poll(timeout):
+            if poller.poll(self._poll_timeout_ms()):
                 identity, *frames = self._socket.recv_multipart(copy=False)
                 self._handle(identity, frames)
             now = time.monotonic()
@@ -139,6 +148,12 @@ class BlockServer:
                 self._expire_leases(now)
                 next_expiry = now + self.EXPIRY_INTERVAL_SECONDS
             self._retry_parked(now)
+            self.direct.tend(now)
+
+    def _poll_timeout_ms(self) -> float:
+        if self.direct.pinned:
+            return self.DIRECT_POLL_MS
+        return self.PARKED_POLL_MS if self._parked else self.EXPIRY_INTERVAL_SECONDS * 1000
 
     def _expire_leases(self, now: float) -> None:
         for lease in self.leases.expire(now):
@@ -168,6 +183,10 @@ class BlockServer:
     def _dispatch(self, identity: bytes, message: wire.Message) -> None:
         if isinstance(message, (wire.PullBlocks, wire.PullOverLink)):
             self._start_pull(identity, message)
+        elif isinstance(message, wire.ConfirmRead):
+            live = self.leases.get(message.handle) is not None
+            valid, error = self.direct.confirm(message.handle, message.pin, live, time.monotonic())
+            self._reply(identity, wire.ConfirmReadReply(valid=valid, error=error))
         elif isinstance(message, wire.OpenLink):
             self._open_link(identity, message)
         elif isinstance(message, wire.ReleaseLease):
@@ -254,13 +273,13 @@ class BlockServer:
                 self._links.pop(request.link_id, None)
                 self._refuse(identity, "unknown or closed link; open a new one")
                 return
-        if self._offer_shared_copy(identity, request, lease):
+        if self._offer_shared_copy(identity, request, lease) or self._offer_direct(identity, request, lease):
             return
         self._reply(identity, self._accepted(request))
         if link is not None:
             self._send_over_link(link, request, lease, block_ids)
         elif lease.staged is not None:
-            self._send_staged(identity, lease.staged, request.block_indices, request.checksum)
+            self._send_staged(identity, lease, request.block_indices, request.checksum)
         else:
             self._send_layers(identity, block_ids, request.checksum)
         self.leases.mark_pulled(lease.handle)
@@ -276,15 +295,33 @@ class BlockServer:
         self.leases.mark_pulled(lease.handle)
         return True
 
+    def _offer_direct(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
+        """Answer a consumer that READs with NIXL with where the lease lies in the staging arena;
+        False: send frames (the lease is elsewhere, or NIXL cannot run here)."""
+        if not (isinstance(request, wire.PullBlocks) and request.direct and lease.region is not None) or nixl_missing():
+            return False
+        try:
+            ref = self.direct.offer(lease, request.block_indices, request.checksum, time.monotonic())
+        except Exception as error:  # noqa: BLE001 - NIXL refused to register the arena: frames still work
+            self._warnings.warn(peer_address(self._peer), "cannot offer a lease for direct reads (%s); "
+                                "sending frames", error)
+            return False
+        count = len(request.block_indices)
+        self._reply(identity, self._accepted(request, direct=ref))
+        self.counters.add(bytes_sent=count * self.cache.spec.bytes_per_block, blocks_sent=count, direct_pulls=1)
+        self.leases.mark_pulled(lease.handle)
+        return True
+
     def _accepted(self, request: wire.PullBlocks | wire.PullOverLink,
-                  shared_copy: wire.SharedCopyRef | None = None) -> wire.PullHeader:
+                  shared_copy: wire.SharedCopyRef | None = None,
+                  direct: wire.DirectRef | None = None) -> wire.PullHeader:
         """The header that tells the consumer exactly what follows, for it to check
         (``transfer.pull_check``) before it writes anything."""
         spec, count = self.cache.spec, len(request.block_indices)
         return wire.PullHeader(ok=True, num_blocks=count, num_layers=spec.num_layers, shared_copy=shared_copy,
                                layout=spec, block_indices=list(request.block_indices),
                                frame_bytes=count * self.cache.layer_bytes_per_block,
-                               checksum=request.checksum and shared_copy is None)
+                               checksum=request.checksum and shared_copy is None, direct=direct)
 
     @staticmethod
     def _checked_indices(request: wire.PullBlocks | wire.PullOverLink, leased: tuple[int, ...]) -> list[int]:
@@ -328,25 +365,28 @@ class BlockServer:
             return
         self.counters.add(bytes_sent=sent, blocks_sent=len(block_ids))
 
-    def _send_staged(self, identity: bytes, staged: tuple[torch.Tensor, ...], indices: list[int],
-                     checksum: bool) -> None:
-        """Send from a staged lease. Its copies are never written again and live as long as
-        any frame still references them, so a contiguous run of blocks goes out zero-copy
-        as it lies; other selections are gathered into send buffers first."""
-        cache, count = self.cache, len(indices)
+    def _send_staged(self, identity: bytes, lease, indices: list[int], checksum: bool) -> None:
+        """Send from a staged lease. Its copies are never written again while it lives, so a
+        contiguous run of blocks goes out zero-copy as it lies; other selections are gathered
+        into send buffers first. A copy in the staging arena outlives its lease only while
+        held, so its zero-copy sends are tracked and hold its region until they are done
+        (a memfd or private copy lives as long as pyzmq's reference to it)."""
+        cache, count, region = self.cache, len(indices), lease.region
         first = _first_of_run(indices)
         positions = None  # built once, only when some layer needs a gather
-        for copy in staged:
+        for copy in lease.staged:
             run = cache.run_of_copy(copy, first, count) if first is not None else None
             if run is not None:
-                send_frame(self._socket, self._prefix(identity, run, checksum), run, track=False)
+                tracker = send_frame(self._socket, self._prefix(identity, run, checksum), run, track=region is not None)
+                if tracker is not None:
+                    region.hold(tracker)
                 continue
             if positions is None:
                 positions = block_index_tensor(indices)
             slot, buffer = self._buffers.acquire(count * cache.layer_bytes_per_block)
             cache.select_from_copy(copy, positions, buffer)
             self._buffers.mark_sent(slot, send_frame(self._socket, self._prefix(identity, buffer, checksum), buffer))
-        self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(staged), blocks_sent=count)
+        self.counters.add(bytes_sent=count * cache.layer_bytes_per_block * len(lease.staged), blocks_sent=count)
 
     @staticmethod
     def _prefix(identity: bytes, frame: torch.Tensor, checksum: bool) -> list[bytes]:

@@ -30,6 +30,7 @@ from transfer.affinity import pin_current_thread, transfer_context, transfer_cpu
 from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
+from transfer.direct_reads import DirectReader
 from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
@@ -41,8 +42,11 @@ from transfer.pull_records import PullRecords
 from transfer.settings import ConnectorSettings
 from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
+from transfer.staging_arena import StagingArena, stage_in_arena, staging_arena
 from transfer.tier_worker import TierWorker
 from transfer.transports.links import LinkTable
+from transfer.transports.nixl_agent import nixl_missing
+from transfer.transports.selection import hosted_backends
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
@@ -78,6 +82,8 @@ class ConnectorWorker:
         self._idle_step = False
         self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
         self._reads_shared_copies = False  # known once the caches are registered
+        self._direct: DirectReader | None = None  # with a nixl link, on a host cache: see register
+        self._arena: StagingArena | None = None  # where leases are staged when this end hosts nixl
         self._tier: TierWorker | None = None
         if settings.node_store:
             self._tier = TierWorker(NodeStoreClient(settings.node_store, self._context), self.counters,
@@ -92,6 +98,10 @@ class ConnectorWorker:
         self.cache = PagedKVCache(list(kv_caches.values()), self.num_blocks, self.block_size)
         self._reads_shared_copies = (self._shares_copies and self.cache.is_host_memory
                                      and self.cache.layers[0].is_contiguous())
+        if self._reads_directly():
+            self._direct = DirectReader(self.cache, self.settings.link_settings().host)
+        if self._offers_direct_reads():
+            self._arena = staging_arena(self.settings.staging_bytes)
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -105,6 +115,19 @@ class ConnectorWorker:
                     "%d command queue(s) spin at most %.3f s after a command",
                     self.settings.transfer_bind, self.cache.spec, self._cpus, shortened,
                     self.settings.idle_spin_seconds)
+
+    def _reads_directly(self) -> bool:
+        """With a forced nixl link, pulls READ staged leases straight into a contiguous host
+        cache (``transfer.direct_reads``); other caches take the link's frames."""
+        cache = self.cache
+        return (self.settings.transfer_link == "nixl" and not nixl_missing() and cache.is_host_memory
+                and all(layer.is_contiguous() for layer in cache.layers))
+
+    def _offers_direct_reads(self) -> bool:
+        """An endpoint hosting nixl stages leases into this process's staging arena, for its
+        consumers to READ them directly (``transfer.direct_exports``)."""
+        return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
+                and self.cache.is_host_memory and self.settings.staging_bytes > 0)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
@@ -139,12 +162,15 @@ class ConnectorWorker:
         return nbytes
 
     def _stage(self, lease: Lease) -> None:
-        """Copy a lease's blocks out of the engine's cache so the engine can free them:
-        into shared memory, which consumers on this host read directly, when it can be had."""
+        """Copy a lease's blocks out of the engine's cache so the engine can free them: into
+        the staging arena, which consumers READ with NIXL, when this end offers that; else into
+        shared memory, which consumers on this host read directly, when it can be had."""
         block_ids = block_index_tensor(lease.block_ids)
-        layers, shared = None, None
+        layers, shared, region = None, None, None
         try:
-            if self._shares_copies:
+            if self._arena is not None:
+                layers, region = stage_in_arena(self.cache, block_ids, self._arena) or (None, None)
+            if layers is None and self._shares_copies:
                 try:
                     layers, shared = stage_shared(self.cache, block_ids)
                 except OSError as error:  # e.g. out of descriptors: a private copy still frees the blocks
@@ -155,7 +181,7 @@ class ConnectorWorker:
         except Exception:  # the lease stays in place and is still served
             logger.exception("staging the lease of request %s failed; holding its blocks", lease.request_id)
             layers = None
-        self.leases.finish_staging(lease.handle, layers, shared)
+        self.leases.finish_staging(lease.handle, layers, shared, region)
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving), each reported once."""
@@ -213,7 +239,15 @@ class ConnectorWorker:
         cache = self.cache
         local = block_index_tensor(load.local_block_ids)
         deadline = time.monotonic() + self.settings.pull_timeout_seconds
-        store = lambda layer, data: cache.scatter_layer(layer, local, data)  # noqa: E731
+
+        def store(layer: int, data: torch.Tensor) -> None:
+            cache.scatter_layer(layer, local, data)
+            self.counters.add(bytes_scattered=data.numel())
+
+        if self._direct is not None:
+            return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
+                               self._channels, checksum=self.settings.transfer_checksum,
+                               read_direct=self._direct_reader(load, deadline))
         if not self.settings.uses_links:
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
                                self._channels, read_shared=self._shared_reader(load),
@@ -221,6 +255,14 @@ class ConnectorWorker:
         link = self._links.get(load.source.address)
         return pull_over_link(self._context, load.source, load.remote_indices, cache.spec, link, store, deadline,
                               self._channels, checksum=self.settings.transfer_checksum)
+
+    def _direct_reader(self, load: LoadSpec, deadline: float):
+        """READs a producer's staged copy into this load's blocks with NIXL."""
+        def read(ref) -> int:
+            nbytes = self._direct.read(ref, list(load.local_block_ids), list(load.remote_indices), deadline)
+            self.counters.add(direct_pulls=1)
+            return nbytes
+        return read
 
     def _shared_reader(self, load: LoadSpec):
         """Reads a producer's shared copy into this load's blocks, if this cache can take it."""
@@ -269,6 +311,8 @@ class ConnectorWorker:
         self._channels.close()
         if self.server is not None:
             self.server.stop()
+        if self._direct is not None:
+            self._direct.close()
 
 
 __all__ = ["ConnectorWorker", "PullFailed"]

@@ -157,6 +157,12 @@ class PagedKVCache:
             copies.append(out)
         return tuple(copies)
 
+    def row_geometry(self) -> tuple[int, int]:
+        """(rows per block under the leading indices, e.g. 2 for keys then values; bytes of one
+        such row) of a contiguous layer: block b's row r starts at ``(r * num_blocks + b) * row_bytes``."""
+        rows = self._wire_rows(self.layers[0], self.num_blocks)
+        return math.prod(rows.shape[:-2]), rows.shape[-1]
+
     def rows_of_runs(self, layer_index: int, local_block_ids: Sequence[int], positions: Sequence[int],
                      copy_blocks: int) -> list[tuple[int, list[memoryview]]]:
         """Where blocks ``positions`` of a copy of ``copy_blocks`` blocks (one layer of

@@ -12,9 +12,10 @@ vLLM keeps a leased request's blocks allocated (the connector returned
 ``delay_free=True``) until the table reports its request id. While a request holds
 blocks that way, vLLM's engine loop keeps stepping — on CPU that spins a core and
 starves the block server in the same process. So a lease is normally *staged*: its
-blocks are copied to host buffers the lease owns (in shared memory where it can be had,
-for consumers on this host: ``transfer.shared_copies``; the lease closes it when it
-ends), the request id is reported at once, and the engine goes idle. A lease that does
+blocks are copied to host buffers the lease owns (in the process's staging arena when the
+endpoint offers NIXL READs: ``transfer.staging_arena``; else in shared memory where it can
+be had, for consumers on this host: ``transfer.shared_copies``; the lease closes either
+when it ends), the request id is reported at once, and the engine goes idle. A lease that does
 not fit the staging budget stays in place.
 
 Every request id is reported exactly once, and never while a staging copy still reads
@@ -39,6 +40,7 @@ import torch
 
 if TYPE_CHECKING:
     from transfer.shared_copies import SharedCopy
+    from transfer.staging_arena import Region
 
 REMEMBERED_EXPIRED_HANDLES = 4096  # ~150 KB; a late pull comes seconds after expiry, not 4096 leases later
 
@@ -57,6 +59,9 @@ class Lease:
     # The shared-memory file ``staged`` lies in, for consumers on this host; closed when the
     # lease ends (transfer.shared_copies).
     shared: SharedCopy | None = None
+    # The region of this process's staging arena ``staged`` lies in, for NIXL READs
+    # (transfer.staging_arena); closed when the lease ends, freed once nothing reads it.
+    region: Region | None = None
 
 
 class LeaseTable:
@@ -88,9 +93,9 @@ class LeaseTable:
             self.num_granted += 1
 
     def finish_staging(self, handle: str, layers: tuple[torch.Tensor, ...] | None,
-                       shared: SharedCopy | None = None) -> bool:
-        """The copy is done (``layers``, in ``shared`` if given) or failed (None: the lease
-        stays in place).
+                       shared: SharedCopy | None = None, region: Region | None = None) -> bool:
+        """The copy is done (``layers``, in ``shared`` or ``region`` if given) or failed (None:
+        the lease stays in place).
 
         Returns whether the lease is still live."""
         with self._lock:
@@ -100,15 +105,16 @@ class LeaseTable:
                 request_id, reserved = ending
                 self.staged_bytes -= reserved
                 self._ended_request_ids.add(request_id)
-                if shared is not None:
-                    shared.close()
+                for owner in (shared, region):
+                    if owner is not None:
+                        owner.close()
                 return False
             lease = self._leases[handle]
             if layers is None:
                 self.staged_bytes -= lease.staged_bytes
                 self._leases[handle] = replace(lease, staged_bytes=0)
             else:
-                self._leases[handle] = replace(lease, staged=layers, shared=shared)
+                self._leases[handle] = replace(lease, staged=layers, shared=shared, region=region)
                 self.num_staged += 1
                 self._ended_request_ids.add(lease.request_id)  # the engine's blocks are free now
             return True
@@ -160,6 +166,8 @@ class LeaseTable:
         """Caller holds the lock and has removed the lease."""
         if lease.shared is not None:
             lease.shared.close()  # a consumer reading it holds its own descriptor
+        if lease.region is not None:
+            lease.region.close()  # reused once no READ or send can still reach it
         if lease.handle in self._staging:
             # Reported, and its reservation returned, once the copy stops reading.
             self._ending[lease.handle] = (lease.request_id, lease.staged_bytes)

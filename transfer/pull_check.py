@@ -15,6 +15,7 @@ from __future__ import annotations
 from foundation import wire
 from foundation.endpoint_client import PullFailed
 from transfer.kv_layout import layout_differences
+from transfer.transports.checksums import DIGEST_BYTES
 
 
 class PullRefused(PullFailed):
@@ -40,9 +41,30 @@ def header_differences(header: wire.PullHeader, request: wire.PullBlocks | wire.
         differences.append("no layout")
     else:
         differences += [f"layout {difference}" for difference in layout_differences(layout, header.layout)]
+    if header.direct is not None:
+        differences += _direct_differences(header.direct, request)
     if header.shared_copy is not None and header.shared_copy.num_blocks <= max(request.block_indices, default=-1):
         differences.append(f"a shared copy of {header.shared_copy.num_blocks} blocks for positions "
                            f"up to {max(request.block_indices)}")
+    return differences
+
+
+def _direct_differences(direct: wire.DirectRef, request: wire.PullBlocks | wire.PullOverLink) -> list[str]:
+    layout = request.layout
+    differences = []
+    if not getattr(request, "direct", False):
+        differences.append("a direct copy, which was not asked for")
+    if len(direct.layer_offsets) != layout.num_layers:
+        differences.append(f"a direct copy of {len(direct.layer_offsets)} layers")
+    copy_bytes = direct.num_blocks * layout.bytes_per_block // max(layout.num_layers, 1)
+    if any(not 0 <= offset <= direct.arena_bytes - copy_bytes for offset in direct.layer_offsets):
+        differences.append(f"a direct copy lying outside its arena of {direct.arena_bytes} bytes")
+    if direct.num_blocks <= max(request.block_indices, default=-1):
+        differences.append(f"a direct copy of {direct.num_blocks} blocks for positions up to "
+                           f"{max(request.block_indices)}")
+    digest_bytes = len(direct.digests) if direct.digests is not None else 0
+    if digest_bytes != (DIGEST_BYTES * layout.num_layers if request.checksum else 0):
+        differences.append(f"{digest_bytes} bytes of digests with a direct copy")
     return differences
 
 

@@ -8,6 +8,9 @@ Phases, each writing into one results document::
     loopback   zmq-tcp, zmq-ipc and gloo against their raw baselines (transfer_pair), the
                zmq links under the cluster keys' CURVE encryption, as workers run them;
                nixl too where nixl_cu12 is installed, against raw pyzmq over ipc
+    into cache a staged lease pulled into a paged cache by each path of one host: NIXL
+               direct READs, the shared copy, a nixl link, frames (transfer_into_cache;
+               skipped with --no-into-cache)
     encryption zmq-tcp and zmq-ipc links with transfer encryption on and off, against raw
                pyzmq, at three sizes (skipped with --no-encryption)
     shaped     per rate, two fresh network namespaces joined by a tc-shaped veth pair;
@@ -58,6 +61,8 @@ class TransferBenchSettings:
     shaped_rates: tuple[str, ...] = setting(("1gbit", "100mbit"), "tc rates of the shaped links, comma-separated")
     shaped_max_seconds: float = setting(2.0, "on a shaped link, only prompt lengths whose KV crosses it at its "
                                              "rate within this many seconds")
+    into_cache: bool = setting(True, "pull staged leases into a paged cache by each path of one host (NIXL direct "
+                                     "READs, the shared copy, a nixl link, frames), prompts of 1 MB and more")
     checksum: bool = setting(True, "also time every transfer with per-frame xxh3 checksums, interleaved with "
                                    "the plain ones (the cost of --transfer-checksum on)")
     model: str = setting("", "model folder or hub id (default: the project's SmolLM2-135M-Instruct)")

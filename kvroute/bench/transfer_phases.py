@@ -33,6 +33,7 @@ from kvroute.bench.transfer_sweep import KVBytes, crossovers, lengths_within, pr
 from orchestrator.planner.calibration import LinkCalibrator
 
 LOOPBACK = "loopback"
+INTO_CACHE_MIN_BYTES = 1_000_000
 
 
 class Phases:
@@ -48,7 +49,7 @@ class Phases:
                               "skipped": {}}
 
     def run_all(self) -> None:
-        with Bar(self.console, "phases", 4) as phase:
+        with Bar(self.console, "phases", 5) as phase:
             phase.step("engine")
             self.measure_engine()
             phase.step("loopback")
@@ -56,6 +57,11 @@ class Phases:
             if "nixl" not in backends:
                 self.results["skipped"]["nixl"] = NIXL_MISSING
             self.measure_link(LOOPBACK, backends, self.lengths, PairEnd(), PairEnd())
+            phase.step("into cache")
+            if self.settings.into_cache:
+                self.measure_into_cache("nixl" in backends)
+            else:
+                self.results["skipped"]["into_cache"] = "--no-into-cache"
             phase.step("encryption")
             if self.settings.encryption:
                 self.measure_encryption()
@@ -134,6 +140,22 @@ class Phases:
                          f"ratio {row['ratio']:.2f}"
                          + (f", with checksums {row['checksum_seconds'] * 1e3:.1f} ms "
                             f"(on/off ratio {row['checksum_ratio']:.2f})" if "checksum_seconds" in row else ""))
+
+    def measure_into_cache(self, with_nixl: bool) -> None:
+        from kvroute.bench.transfer_into_cache import NIXL_PATHS, PATHS, measure_into_cache
+
+        self.console.rule("a staged lease pulled into a paged cache")
+        lengths = [n for n in self.lengths if self.kv.prompt_bytes(n) >= INTO_CACHE_MIN_BYTES]
+        paths = PATHS if with_nixl else tuple(path for path in PATHS if path not in NIXL_PATHS)
+        self.results["into_cache"] = []
+
+        def measured_one(row: dict) -> None:
+            self.results["into_cache"].append(row)
+            self.console.log(f"into cache, {row['path']}, {row['prompt_tokens']} tokens "
+                             f"({row['bytes'] / 1e6:.1f} MB): {row['seconds'] * 1e3:.1f} ms")
+
+        measure_into_cache(self.cluster_keys, self.kv.bytes_per_token, self.kv.num_layers, lengths,
+                           self.settings.reps, paths, measured_one)
 
     def measure_encryption(self) -> None:
         """The zmq links with transfer encryption on, then off, against the same raw pyzmq."""

@@ -82,6 +82,23 @@ def encryption_table(results: Mapping) -> Table:
     return table
 
 
+def into_cache_table(results: Mapping) -> Table:
+    rows = results["into_cache"]
+    paths = list(dict.fromkeys(row["path"] for row in rows))
+    table = Table(title="a staged lease pulled into a paged cache (medians, ms; x = shared-copy s / path s)")
+    for column in ("tokens", "MB", *paths):
+        table.add_column(column, justify="right")
+    by_size: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_size.setdefault(row["prompt_tokens"], {"bytes": row["bytes"]})[row["path"]] = row["seconds"]
+    for tokens, measured in by_size.items():
+        shared = measured.get("shared")
+        cells = [f"{_ms(measured[path])}" + (f", {shared / measured[path]:.2f}x" if shared else "")
+                 if path in measured else "—" for path in paths]
+        table.add_row(str(tokens), f"{measured['bytes'] / 1e6:.1f}", *cells)
+    return table
+
+
 def print_report(results: Mapping, console: Console) -> None:
     console.print(results_table(results))
     if any(row.get("checksum_seconds") is not None for row in results["results"]):
@@ -91,6 +108,8 @@ def print_report(results: Mapping, console: Console) -> None:
     console.print(estimates_table(results))
     if results.get("encryption"):
         console.print(encryption_table(results))
+    if results.get("into_cache"):
+        console.print(into_cache_table(results))
 
 
 def plot(results: Mapping, path: Path) -> Path:

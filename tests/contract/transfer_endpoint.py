@@ -28,6 +28,7 @@ from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
 from transfer.shared_copies import stage_shared
+from transfer.staging_arena import stage_in_arena, staging_arena
 from transfer.transports.settings import TransportSettings
 
 PARK_SECONDS = 0.5
@@ -55,6 +56,7 @@ class Producer:
             yield self
         finally:
             self.server.stop()
+            self.leases.release_all()  # as the process's end would: staged memory goes back
 
     def lease(self, block_ids, request_id: str | None = None, grant: bool = True) -> tuple[Lease, wire.PullSource]:
         handle = secrets.token_hex(16)
@@ -99,6 +101,20 @@ def stage_shared_lease(producer: Producer, block_ids) -> tuple[Lease, wire.PullS
     return lease, source
 
 
+def stage_arena_lease(producer: Producer, block_ids) -> tuple[Lease, wire.PullSource]:
+    """A lease staged in the process's staging arena, as a producer hosting nixl stages it (the
+    lease as staged: its region is set)."""
+    lease, source = producer.lease(block_ids, grant=False)
+    nbytes = len(block_ids) * producer.cache.spec.bytes_per_block
+    producer.leases.grant(lease, staging_bytes=nbytes)
+    layers, region = stage_in_arena(producer.cache, block_index_tensor(block_ids), staging_arena(ARENA_BYTES))
+    producer.leases.finish_staging(lease.handle, layers, region=region)
+    return producer.leases.get(lease.handle), source
+
+
+ARENA_BYTES = 64 << 20  # every test producer's leases fit, so each test finds the same arena
+
+
 def stage(producer: Producer, lease: Lease) -> list[torch.Tensor]:
     """What the producer's staging thread does, then the engine reusing the freed blocks.
 
@@ -116,7 +132,7 @@ def lying(**fields) -> type[BlockServer]:
     what the honest server sends."""
 
     class LyingServer(BlockServer):
-        def _accepted(self, request, shared_copy=None) -> wire.PullHeader:
-            return msgspec.structs.replace(super()._accepted(request, shared_copy), **fields)
+        def _accepted(self, request, shared_copy=None, direct=None) -> wire.PullHeader:
+            return msgspec.structs.replace(super()._accepted(request, shared_copy, direct), **fields)
 
     return LyingServer

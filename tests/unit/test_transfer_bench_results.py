@@ -197,3 +197,22 @@ def test_checksummed_timings_become_an_on_off_ratio_in_the_rows_and_the_report()
     console.print(checksum_table({"results": [row]}))
     assert "+25.0%" in console.export_text()
     assert "checksum_seconds" not in fake_pair_row("gloo", 128, [0.01], [0.01])
+
+
+def test_the_into_cache_table_sets_each_path_against_the_shared_copy():
+    from rich.console import Console
+
+    from kvroute.bench.transfer_report import into_cache_table
+    rows = [{"path": path, "prompt_tokens": 512, "bytes": KV.prompt_bytes(512), "seconds": seconds}
+            for path, seconds in (("direct", 0.008), ("shared", 0.010), ("nixl-link", 0.020))]
+    console = Console(width=200, record=True)
+    console.print(into_cache_table({"into_cache": rows}))
+    text = console.export_text()
+    assert "8.0, 1.25x" in text and "10.0, 1.00x" in text and "20.0, 0.50x" in text and "23.6" in text
+
+
+def test_the_into_cache_paths_check_what_they_pulled_against_one_pattern():
+    from kvroute.bench.transfer_into_cache import paged_layers, pattern
+    layers = paged_layers(KV.bytes_per_token, KV.num_layers, 2)
+    assert len(layers) == 30 and layers[0].shape == (2, 3, 128, 768)  # 2 blocks would read as the lead dimension
+    assert len({pattern(layer, lead, block) for layer in range(3) for lead in range(2) for block in range(8)}) > 40

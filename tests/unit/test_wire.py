@@ -160,9 +160,13 @@ PULL_BLOCKS_V2_HEX = (  # before ``checksum`` was appended
     "85" + PULL_BLOCKS_V1_HEX[2:]
     + "a4686f7374" "a0"  # host: ""
 )
-PULL_BLOCKS_HEX = (
+PULL_BLOCKS_V3_HEX = (  # before ``direct`` was appended
     "86" + PULL_BLOCKS_V2_HEX[2:]
     + "a8636865636b73756d" "c2"  # checksum: false
+)
+PULL_BLOCKS_HEX = (
+    "87" + PULL_BLOCKS_V3_HEX[2:]
+    + "a6646972656374" "c2"  # direct: false
 )
 
 PULL_HEADER_SHARED = wire.PullHeader(
@@ -182,11 +186,12 @@ PULL_HEADER_SHARED_V1_HEX = (  # before layout, block_indices, frame_bytes and c
     "aa6e756d5f626c6f636b73" "05"  # num_blocks: 5
 )
 PULL_HEADER_SHARED_HEX = (
-    "8a" + PULL_HEADER_SHARED_V1_HEX[2:]
+    "8b" + PULL_HEADER_SHARED_V1_HEX[2:]
     + "a66c61796f7574" "c0"  # layout: nil
     "ad626c6f636b5f696e6469636573" "90"  # block_indices: []
     "ab6672616d655f6279746573" "00"  # frame_bytes: 0
     "a8636865636b73756d" "c2"  # checksum: false
+    "a6646972656374" "c0"  # direct: nil
 )
 
 ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")

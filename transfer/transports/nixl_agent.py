@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
+import numpy as np
 import torch
 
 from transfer.transports.errors import PeerLost, TransportTimeout
@@ -216,6 +217,12 @@ class Agent:
         registration = self._nixl.register_memory(tensor)
         return registration, self._nixl.get_partial_agent_metadata(registration, False)
 
+    def register_for_peers(self, tensors: list[torch.Tensor]):
+        """Register ``tensors`` as one registration; returns it and the partial metadata a
+        peer that never met this agent loads (``add_peer``) to READ them: connection and memory."""
+        registration = self._nixl.register_memory(tensors)
+        return registration, self._nixl.get_partial_agent_metadata(registration, True)
+
     def deregister(self, registration) -> None:
         self._nixl.deregister_memory(registration)
 
@@ -241,6 +248,11 @@ class Agent:
     def notify(self, peer: str, notice: Notice) -> None:
         self._nixl.send_notif(peer, encode_notice(notice))
 
+    def progress(self) -> None:
+        """Progress the agent (a first READ from a new peer waits for its target's progress),
+        filing any notices for the links that poll."""
+        self.mailboxes.sort(self._nixl.get_new_notifs())
+
     def poll(self, link: str) -> tuple[str, Notice] | None:
         """The link's next notice, if any; progresses the agent."""
         found = self.mailboxes.take(link)
@@ -258,6 +270,16 @@ class Agent:
         if self._nixl.transfer(handle) == "ERR":
             handle.release()
             raise PeerLost(f"nixl: a READ of {nbytes} bytes from {peer} failed at once")
+        return handle
+
+    def read_lists(self, local: np.ndarray, remote: np.ndarray, peer: str):
+        """Start one READ of host memory: row i of ``remote`` (address, bytes, 0) at the peer
+        into row i of ``local``."""
+        handle = self._nixl.initialize_xfer("READ", self._nixl.get_xfer_descs(local, "DRAM"),
+                                            self._nixl.get_xfer_descs(remote, "DRAM"), peer)
+        if self._nixl.transfer(handle) == "ERR":
+            handle.release()
+            raise PeerLost(f"nixl: a READ of {int(local[:, 1].sum())} bytes from {peer} failed at once")
         return handle
 
     def state(self, handle) -> str:

@@ -1,0 +1,163 @@
+"""The staging arena: one block of host memory per producer process that staged leases are
+carved out of, so that NIXL registers it once (``transfer.direct_exports``).
+
+Why one arena and not a copy per lease: a consumer's NIXL agent cannot forget one
+registration of a peer, so when a new copy was registered where an old, deregistered one
+had lain, its READs found the old registration and failed (NIXL_ERR_NOT_FOUND); and a
+registration per lease lay on the pull's path. The arena is mapped once and never unmapped
+or deregistered, so no address of it is ever registered twice, the producer's metadata
+never changes, and a consumer loads it once.
+
+A lease's region goes back to the arena only once nothing can still read it::
+
+    allocate ──▶ LIVE (its lease's copy) ──close: the lease ended──▶ ENDED ──every hold done──▶ free
+                   │ hold(h): a pin of a direct READ, the tracker of a zero-copy send
+
+A hold is anything with a ``done`` property; ``collect`` frees ENDED regions whose holds
+are all done, and is called by ``allocate`` and by the block server's loop. Regions start
+on page boundaries. The memory is an anonymous mapping: pages cost nothing until staged
+into, and once staged into they are reused without faulting again.
+
+Thread-safe: the engine's thread allocates, the block server's thread (where leases end)
+closes and collects.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from transfer.kv_layout import PagedKVCache
+
+ALIGNMENT = 4096
+
+
+class Hold(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+
+class Region:
+    """One lease's bytes in the arena; ``tensor`` views them. Freed by the arena, never by its owner."""
+
+    def __init__(self, arena: StagingArena, offset: int, nbytes: int):
+        self.arena = arena
+        self.offset = offset
+        self.nbytes = nbytes
+        self.tensor = arena.tensor[offset:offset + nbytes]
+        self.ended = False
+        self.holds: list[Hold] = []
+
+    def hold(self, hold: Hold) -> None:
+        """Keep the region from reuse until ``hold.done``, even after its lease ended."""
+        with self.arena.lock:
+            self.holds.append(hold)
+
+    def close(self) -> None:
+        """The lease ended: the region is freed once its holds are done. Idempotent."""
+        self.arena.end(self)
+
+
+class StagingArena:
+    def __init__(self, nbytes: int):
+        self.nbytes = _aligned(nbytes)
+        # MAP_PRIVATE | MAP_ANONYMOUS: no file behind it, zeroed pages only when first touched.
+        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, bytes), by offset, never adjacent
+        self._ended: list[Region] = []
+        self.free_bytes = self.nbytes
+
+    def allocate(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes``; None when no free run is that large (first fit)."""
+        size = _aligned(max(nbytes, 1))
+        with self.lock:
+            self._collect()
+            for index, (offset, length) in enumerate(self._free):
+                if length >= size:
+                    if length == size:
+                        del self._free[index]
+                    else:
+                        self._free[index] = (offset + size, length - size)
+                    self.free_bytes -= size
+                    return Region(self, offset, size)
+        return None
+
+    def end(self, region: Region) -> None:
+        with self.lock:
+            if not region.ended:
+                region.ended = True
+                self._ended.append(region)
+                self._collect()
+
+    def collect(self) -> None:
+        """Free the regions whose leases ended and whose holds are all done."""
+        with self.lock:
+            self._collect()
+
+    def _collect(self) -> None:
+        still_held = []
+        for region in self._ended:
+            region.holds = [hold for hold in region.holds if not hold.done]
+            if region.holds:
+                still_held.append(region)
+            else:
+                self._give_back(region.offset, region.nbytes)
+        self._ended = still_held
+
+    def _give_back(self, offset: int, size: int) -> None:
+        """Insert a free run, merging it with the runs it touches."""
+        self.free_bytes += size
+        index = bisect.bisect_left(self._free, (offset, 0))
+        if index < len(self._free) and offset + size == self._free[index][0]:
+            size += self._free.pop(index)[1]
+        if index > 0 and sum(self._free[index - 1]) == offset:
+            offset, previous = self._free.pop(index - 1)
+            size += previous
+            index -= 1
+        self._free.insert(index, (offset, size))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+# Per process, every arena it made, the current one last: none is ever unmapped.
+_arenas: dict[int, list[StagingArena]] = {}
+_arenas_lock = threading.Lock()
+
+
+def staging_arena(nbytes: int) -> StagingArena:
+    """This process's arena, of at least ``nbytes`` (a forked child makes its own).
+
+    A process serves one engine, so one arena; where several producers share a process (the
+    tests do) and one asks for more than the arena has, a larger one takes its place for
+    new leases. The old one stays mapped, as every arena does until the process ends, so its
+    addresses are never registered again."""
+    with _arenas_lock:
+        arenas = _arenas.setdefault(os.getpid(), [])
+        if not arenas or arenas[-1].nbytes < nbytes:
+            arenas.append(StagingArena(nbytes))
+        return arenas[-1]
+
+
+def stage_in_arena(cache: PagedKVCache, block_ids: torch.Tensor,
+                   arena: StagingArena) -> tuple[tuple[torch.Tensor, ...], Region] | None:
+    """``cache.copy_blocks`` into a new region of ``arena``: the layers, and the region that
+    owns them; None when the arena has no room (it is full of live or still-read leases)."""
+    region = arena.allocate(len(block_ids) * cache.spec.bytes_per_block)
+    if region is None:
+        return None
+    try:
+        return cache.copy_blocks(block_ids, into=region.tensor), region
+    except BaseException:
+        region.close()
+        raise
