@@ -26,7 +26,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_REC, _MS_PRIVATE, _MNT_DETACH = 0x4000, 1 << 18, 2
 SENDER_ADDRESS, RECEIVER_ADDRESS, PREFIX_LENGTH = "10.200.0.1", "10.200.0.2", 30
 # tbf needs a bucket of at least one timer tick of traffic at the rate, and at least one
 # offloaded (GSO) packet of the veth's; 1/250 s of the rate, never under 256 KiB, is both.
@@ -119,10 +120,19 @@ class ShapedLink(Shaping):
     def receiver_namespace(self) -> str:
         return f"{self.name}-r"
 
+    @property
+    def sender_device(self) -> str:
+        """The veth end inside the sender's namespace."""
+        return f"{self.name}s"
+
+    @property
+    def receiver_device(self) -> str:
+        return f"{self.name}r"
+
     def _sides(self) -> tuple[tuple[str, str, str], ...]:
         """(namespace, interface, address) of each side."""
-        return ((self.sender_namespace, f"{self.name}s", SENDER_ADDRESS),
-                (self.receiver_namespace, f"{self.name}r", RECEIVER_ADDRESS))
+        return ((self.sender_namespace, self.sender_device, SENDER_ADDRESS),
+                (self.receiver_namespace, self.receiver_device, RECEIVER_ADDRESS))
 
     def _prepare(self) -> None:
         if len(self.name) > 14:
@@ -156,14 +166,27 @@ class ShapedLink(Shaping):
 
 def enter_namespace(name: str | None) -> None:
     """Move the calling thread into network namespace ``name`` (None: stay). Threads it
-    starts afterwards (libzmq's, Gloo's) inherit it, so call this before opening sockets."""
+    starts afterwards (libzmq's, Gloo's) inherit it, so call this before opening sockets.
+
+    As ``ip netns exec`` does, the process also gets a mount namespace of its own with sysfs
+    mounted afresh: /sys/class/net otherwise still lists the first namespace's interfaces,
+    and UCX, which finds its network devices there, would find none of this one's."""
     if name is None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+        _checked(libc.setns(fd, _CLONE_NEWNET), f"setns into network namespace {name}")
     finally:
         os.close(fd)
+    _checked(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
+    # Private from / down, so the sysfs mounted next stays in this process's namespace.
+    _checked(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make mounts private")
+    _checked(libc.umount2(b"/sys", _MNT_DETACH), "unmount /sys")
+    _checked(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+
+
+def _checked(result: int, what: str) -> None:
+    if result != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"{what}: {os.strerror(error)}")

@@ -11,8 +11,9 @@ Per backend and transfer size both the backend's link (``transfer.transports``) 
 raw baseline move the same bytes in the same frames: plain pyzmq PUSH/PULL zero-copy over
 the backend's own transport (``transfer_raw_push``; over ipc for nixl, whose links move
 bytes within one host here, so it is held against the fastest raw path between two
-processes) or plain torch.distributed send/recv (``transfer_raw_dist``). Nothing is
-gathered or scattered: it is the transport alone.
+processes, and over tcp where ``PairPlan.nixl_ucx_tls`` puts its READs on tcp) or plain
+torch.distributed send/recv (``transfer_raw_dist``). Nothing is gathered or scattered: it is
+the transport alone.
 Both start the same way, on the same command over the same pipe, and timing runs on the
 receiving side from that command to the last frame; one warm-up each, then the
 repetitions interleaved so drift hits both alike; medians are reported. Ratio = raw
@@ -27,6 +28,7 @@ network namespaces; only the payload crosses the (possibly shaped) link.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -42,8 +44,7 @@ from transfer.transports.control import ConnectionChannel
 from transfer.transports.links import open_receiver, open_sender
 from transfer.transports.settings import TransportSettings
 
-RAW_BASELINE = {"zmq-tcp": "raw pyzmq tcp", "zmq-ipc": "raw pyzmq ipc", "gloo": "raw torch.distributed",
-                "nixl": "raw pyzmq ipc"}
+RAW_DIST_BASELINE = "raw torch.distributed"  # gloo's
 RAW_ZMQ_TRANSPORT = {"zmq-tcp": "tcp", "zmq-ipc": "ipc", "nixl": "ipc"}  # the backends held against raw pyzmq
 SENDER_RANK, RECEIVER_RANK = 1, 0  # of the raw Gloo group, which the receiving process hosts
 DEADLINE_SECONDS = 120.0
@@ -55,6 +56,7 @@ class PairEnd:
 
     host: str = "127.0.0.1"
     namespace: str | None = None
+    device: str | None = None  # its network interface there, for UCX (None: UCX picks)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,30 @@ class PairPlan:
     # unless ``transfer_encryption`` is off (foundation.zmq_auth); "" : in clear.
     cluster_keys: str = ""
     transfer_encryption: bool = True
+    # UCX_TLS of both processes, for the nixl links ("": UCX chooses). Between network
+    # namespaces of one host UCX still reads through cma (process_vm_readv), past the veth
+    # and its shaping; "tcp" sends the READs through the network stack, as between hosts,
+    # and holds nixl against raw pyzmq over tcp instead of ipc.
+    nixl_ucx_tls: str = ""
+
+    def raw_zmq_transport(self, backend: str) -> str | None:
+        """The raw pyzmq transport ``backend`` is held against; None: gloo's raw baseline."""
+        if backend == "nixl" and self.nixl_ucx_tls == "tcp":
+            return "tcp"
+        return RAW_ZMQ_TRANSPORT.get(backend)
+
+    def baseline(self, backend: str) -> str:
+        transport = self.raw_zmq_transport(backend)
+        return f"raw pyzmq {transport}" if transport else RAW_DIST_BASELINE
+
+    def enter(self, end: PairEnd) -> None:
+        """Set one of the pair's processes up, before any link opens: keys, UCX, namespace."""
+        self.configure_security()
+        if self.nixl_ucx_tls:
+            os.environ["UCX_TLS"] = self.nixl_ucx_tls
+        if end.device:  # else UCX offers lo too, and the peer in the other namespace tries it
+            os.environ["UCX_NET_DEVICES"] = end.device
+        transfer_netns.enter_namespace(end.namespace)
 
     def configure_security(self) -> None:
         """In each of the pair's processes, before its links open."""
@@ -83,8 +109,8 @@ def stand_in_layout(num_frames: int) -> KVLayoutSpec:
                         bytes_per_block=num_frames)
 
 
-def _raw_zmq_bind_address(backend: str, host: str) -> str:
-    return transfer_raw.ipc_bind_address() if RAW_ZMQ_TRANSPORT[backend] == "ipc" else f"tcp://{host}:*"
+def _raw_zmq_bind_address(transport: str, host: str) -> str:
+    return transfer_raw.ipc_bind_address() if transport == "ipc" else f"tcp://{host}:*"
 
 
 # ---------------------------------------------------------------- the sending process
@@ -150,8 +176,7 @@ class Peer:
 
 def sender_main(commands, control, plan: PairPlan) -> None:
     end = plan.sender
-    plan.configure_security()
-    transfer_netns.enter_namespace(end.namespace)
+    plan.enter(end)
     peer = Peer(ConnectionChannel(control), end)
     try:
         while (command := commands.recv())[0] != "stop":
@@ -198,8 +223,8 @@ class Measurement:
 
     def open_raw(self) -> None:
         for backend in self.plan.backends:
-            if backend in RAW_ZMQ_TRANSPORT:
-                address = self.ask("raw-zmq-open", backend, _raw_zmq_bind_address(backend, self.plan.sender.host))
+            if transport := self.plan.raw_zmq_transport(backend):
+                address = self.ask("raw-zmq-open", backend, _raw_zmq_bind_address(transport, self.plan.sender.host))
                 self.raw_zmq[backend] = RawPull(address)
         if "gloo" in self.plan.backends:
             host = self.plan.receiver.host
@@ -227,7 +252,7 @@ class Measurement:
                                                                    self.transfer_id, checksummed=checksummed))
 
     def raw_seconds(self, backend: str, frame_bytes: int) -> float:
-        if backend in RAW_ZMQ_TRANSPORT:
+        if self.plan.raw_zmq_transport(backend):
             return self._timed(("raw-zmq-send", backend, frame_bytes, self.num_frames),
                                lambda: self.raw_zmq[backend].receive(frame_bytes, self.num_frames, DEADLINE_SECONDS))
         if frame_bytes not in self.raw_buffers:  # one size held at a time
@@ -250,7 +275,7 @@ class Measurement:
             # references still being released) slows them all alike.
             for name in order[rep % len(order):] + order[:rep % len(order)]:
                 samples[name].append(timings[name]())
-        return summarise(backend, frame_bytes, self.num_frames, samples)
+        return summarise(backend, self.plan.baseline(backend), frame_bytes, self.num_frames, samples)
 
     def rows(self) -> Iterator[dict]:
         self.open_links()
@@ -264,11 +289,12 @@ class Measurement:
                 raw.close()
 
 
-def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str, list[float]]) -> dict:
+def summarise(backend: str, baseline: str, frame_bytes: int, num_frames: int,
+              samples: dict[str, list[float]]) -> dict:
     """One row: medians of the backend's and the raw baseline's samples, and their ratio."""
     medians = {name: statistics.median(values) for name, values in samples.items()}
     nbytes = frame_bytes * num_frames
-    row = {"backend": backend, "baseline": RAW_BASELINE[backend], "bytes": nbytes,
+    row = {"backend": backend, "baseline": baseline, "bytes": nbytes,
            "frame_bytes": frame_bytes, "num_frames": num_frames, "samples_seconds": samples,
            "backend_seconds": medians["backend"], "raw_seconds": medians["raw"],
            "backend_gb_per_s": nbytes / medians["backend"] / 1e9, "raw_gb_per_s": nbytes / medians["raw"] / 1e9,
@@ -280,8 +306,7 @@ def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str
 
 def receiver_main(plan: PairPlan, commands, control, results) -> None:
     try:
-        plan.configure_security()
-        transfer_netns.enter_namespace(plan.receiver.namespace)
+        plan.enter(plan.receiver)
         for row in Measurement(commands, control, plan).rows():
             results.send(("row", row))
         results.send(("done", None))

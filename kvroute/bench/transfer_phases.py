@@ -118,11 +118,11 @@ class Phases:
     # ---------------------------------------------------------------- links
 
     def measure_link(self, name: str, backends: tuple[str, ...], lengths: list[int], sender: PairEnd,
-                     receiver: PairEnd, rate: str | None = None) -> None:
+                     receiver: PairEnd, rate: str | None = None, nixl_ucx_tls: str = "") -> None:
         self.console.rule(f"transfers over {name}")
         plan = PairPlan(backends=backends, frame_sizes=tuple(self.kv.frame_bytes(n) for n in lengths),
                         num_frames=self.kv.num_layers, reps=self.settings.reps, sender=sender, receiver=receiver,
-                        cluster_keys=self.cluster_keys, checksum=self.settings.checksum)
+                        cluster_keys=self.cluster_keys, checksum=self.settings.checksum, nixl_ucx_tls=nixl_ucx_tls)
         link = {"name": name, "rate": rate, "prompt_tokens": lengths, "pair_rows": []}
         self.results["links"].append(link)
         with Bar(self.console, f"transfers over {name}", len(backends) * len(lengths)) as bar:
@@ -179,14 +179,18 @@ class Phases:
             self.results["skipped"]["shaped"] = reason
             self.console.log(f"[yellow]no shaped links: {reason}")
             return
+        # nixl between the namespaces on tcp: left to choose, UCX would read through cma, past
+        # the shaped veth, which stands for a network here.
+        backends = SHAPED_BACKENDS + tuple(b for b in loopback_backends() if b == "nixl")
         for rate in self.settings.shaped_rates:
             lengths = lengths_within(self.lengths, self.kv, rate_bits_per_second(rate),
                                      self.settings.shaped_max_seconds)
             # Unique per run, short enough for interface names (15 characters).
             with ShapedLink(f"kvrb{os.getpid() % 100000}", rate) as shaped:
-                self.measure_link(f"veth-{rate}", SHAPED_BACKENDS, lengths,
-                                  PairEnd(SENDER_ADDRESS, shaped.sender_namespace),
-                                  PairEnd(RECEIVER_ADDRESS, shaped.receiver_namespace), rate)
+                self.measure_link(f"veth-{rate}", backends, lengths,
+                                  PairEnd(SENDER_ADDRESS, shaped.sender_namespace, shaped.sender_device),
+                                  PairEnd(RECEIVER_ADDRESS, shaped.receiver_namespace, shaped.receiver_device),
+                                  rate, nixl_ucx_tls="tcp")
 
     # ---------------------------------------------------------------- results
 

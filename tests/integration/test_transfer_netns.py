@@ -100,3 +100,25 @@ def test_a_failed_setup_leaves_nothing_behind():
     with pytest.raises(RuntimeError, match="tc qdisc add"):
         link.__enter__()
     assert not link.exists()
+
+
+def interfaces_seen_from(namespace: str, result) -> None:
+    """Child process main: what /sys/class/net lists once inside ``namespace``."""
+    enter_namespace(namespace)
+    result.put(sorted(os.listdir("/sys/class/net")))
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_a_process_in_a_namespace_sees_its_own_interfaces_in_sysfs():
+    """UCX finds network devices in /sys/class/net, which lists the namespace sysfs was
+    mounted in: a process that entered a side must see that side's veth and not the other."""
+    with ShapedLink(f"kvrs{os.getpid() % 10000}", "1gbit") as link:
+        spawn = multiprocessing.get_context("spawn")
+        result = spawn.Queue()
+        child = spawn.Process(target=interfaces_seen_from, args=(link.sender_namespace, result))
+        child.start()
+        child.join(30)
+        seen = result.get(timeout=5)
+        assert link.sender_device in seen and link.receiver_device not in seen, seen
+        assert link.sender_device not in os.listdir("/sys/class/net")  # this process's view is unchanged

@@ -15,7 +15,7 @@ from kvroute.bench.transfer_calibration import (
     predicted_rows,
     transfer_observations,
 )
-from kvroute.bench.transfer_pair import summarise
+from kvroute.bench.transfer_pair import PairPlan, summarise
 from kvroute.bench.transfer_sweep import (
     KVBytes,
     crossover,
@@ -33,7 +33,8 @@ KV = KVBytes(bytes_per_token=46_080, num_layers=30, dtype="float32", source="mod
 
 
 def fake_pair_row(backend: str, tokens: int, seconds: list[float], raw: list[float]) -> dict:
-    return summarise(backend, KV.frame_bytes(tokens), KV.num_layers, {"backend": seconds, "raw": raw})
+    baseline = PairPlan(backends=(backend,), frame_sizes=(), num_frames=1).baseline(backend)
+    return summarise(backend, baseline, KV.frame_bytes(tokens), KV.num_layers, {"backend": seconds, "raw": raw})
 
 
 def link_seconds(tokens: int, bytes_per_second: float, latency: float) -> float:
@@ -174,8 +175,8 @@ def test_encryption_rows_compare_each_link_encrypted_and_in_clear_with_the_faste
 
     assert encryption_lengths([128, 256, 512, 1024, 2048]) == [128, 512, 2048]
     assert encryption_lengths([128]) == [128]
-    encrypted = [summarise("zmq-tcp", 1000, 10, {"backend": [0.04], "raw": [0.012]})]
-    clear = [summarise("zmq-tcp", 1000, 10, {"backend": [0.01], "raw": [0.008]})]
+    encrypted = [summarise("zmq-tcp", "raw pyzmq tcp", 1000, 10, {"backend": [0.04], "raw": [0.012]})]
+    clear = [summarise("zmq-tcp", "raw pyzmq tcp", 1000, 10, {"backend": [0.01], "raw": [0.008]})]
     [row] = encryption_rows(encrypted, clear, bytes_per_token=100)
     assert row["prompt_tokens"] == 100 and row["bytes"] == 10_000
     assert row["encryption_cost"] == pytest.approx(4.0)
@@ -184,7 +185,7 @@ def test_encryption_rows_compare_each_link_encrypted_and_in_clear_with_the_faste
 
 
 def test_checksummed_timings_become_an_on_off_ratio_in_the_rows_and_the_report():
-    pair = summarise("zmq-tcp", KV.frame_bytes(128), KV.num_layers,
+    pair = summarise("zmq-tcp", "raw pyzmq tcp", KV.frame_bytes(128), KV.num_layers,
                      {"backend": [0.010] * 3, "raw": [0.010] * 3, "checksum": [0.0125] * 3})
     assert pair["checksum_seconds"] == 0.0125 and pair["checksum_ratio"] == pytest.approx(0.8)
     [row] = result_rows("loopback", KV, [pair], {})
