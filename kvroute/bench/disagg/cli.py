@@ -153,6 +153,17 @@ def _version(*distributions: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The workers and this process (their RPC client, and a consumer in the transfer phase)
+    speak under the cluster keys of ``KVROUTE_CLUSTER_KEYS``, or of a folder made for the run."""
+    from foundation import cluster_keys, zmq_auth
+
+    with cluster_keys.of_this_run() as keys:
+        os.environ["KVROUTE_CLUSTER_KEYS"] = keys  # inherited by the worker processes
+        zmq_auth.configure(cluster_keys.load(keys), "orchestrator")
+        return measure_with_workers(args)
+
+
+def measure_with_workers(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*not writable.*")  # torch.frombuffer on read-only frames
     from foundation.launcher import WorkerStartError, launch_worker
     from foundation.model_prep import resolve_model
