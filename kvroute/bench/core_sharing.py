@@ -37,6 +37,7 @@ from foundation.launcher import launch_worker, stop_all
 from foundation.model_prep import resolve_model
 from kvroute.bench.command import Command
 from kvroute.bench.progress import track
+from kvroute.bench.run_keys import speaking_to_workers
 from orchestrator.worker_client import WorkerClient
 
 ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-gib", "0.3", "--max-model-len", "4096"]
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     report = {}
     layouts = (("own sessions", True), ("launcher's session", False))
     for name, own_session in track(layouts, "worker layouts", Console(), name=lambda layout: layout[0]):
-        runs = asyncio.run(probe_layout(own_session, args.repeats, output / "workers"))
+        with speaking_to_workers():
+            runs = asyncio.run(probe_layout(own_session, args.repeats, output / "workers"))
         medians = {label: statistics.median(times) for label, times in runs.items()}
         report[name] = {"seconds": runs, "median_seconds": medians,
                         "same_core_busy_over_idle": medians["same core busy"] / medians["idle"],

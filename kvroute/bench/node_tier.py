@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -34,10 +33,11 @@ import time
 import uuid
 from pathlib import Path
 
-from foundation import cluster_keys, wire, zmq_auth
+from foundation import wire
 from foundation.launcher import LaunchedWorker, launch_node_store, launch_worker
 from foundation.netutil import free_port, tcp
 from kvroute.bench.command import Command
+from kvroute.bench.run_keys import speaking_to_workers
 
 BLOCK_SIZE, NUM_LAYERS, KV_HEADS, HEAD_SIZE = 32, 30, 3, 64  # SmolLM2-135M
 GIB = 1 << 30
@@ -174,9 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    with cluster_keys.of_this_run() as keys:
-        os.environ["KVROUTE_CLUSTER_KEYS"] = keys  # for the store and worker processes
-        zmq_auth.configure(cluster_keys.load(keys), "orchestrator")  # the worker RPC takes no other
+    with speaking_to_workers():  # the store and worker processes, and the worker RPC
         report: dict = {"dtype": args.dtype, "reps": args.reps, "store": {}}
         with tempfile.TemporaryDirectory(prefix="kvroute-node-tier-") as scratch:
             for tokens in (int(n) for n in args.lengths.split(",")):

@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundation import cluster_keys, config
+from foundation import config
 from foundation.config import setting
+from kvroute.bench.run_keys import speaking_to_workers
 
 LOOPBACK_BACKENDS = ("zmq-tcp", "zmq-ipc", "gloo")
 NIXL_MISSING = "nixl_cu12 is not installed (pip install --no-deps nixl-cu12==1.5.1)"
@@ -98,7 +99,8 @@ def run(settings: TransferBenchSettings) -> int:
     output.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.perf_counter()
-    with cluster_keys.of_this_run() as keys, closing_report(output, settings.progress, console):
+    # The keys of the pairs' links, and of the engine phase's worker and its RPC.
+    with speaking_to_workers() as keys, closing_report(output, settings.progress, console):
         phases = Phases(settings, console, output, keys)
         return _run_phases(phases, output, console, started)
 

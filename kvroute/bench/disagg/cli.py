@@ -155,11 +155,9 @@ def _version(*distributions: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """The workers and this process (their RPC client, and a consumer in the transfer phase)
     speak under the cluster keys of ``KVROUTE_CLUSTER_KEYS``, or of a folder made for the run."""
-    from foundation import cluster_keys, zmq_auth
+    from kvroute.bench.run_keys import speaking_to_workers
 
-    with cluster_keys.of_this_run() as keys:
-        os.environ["KVROUTE_CLUSTER_KEYS"] = keys  # inherited by the worker processes
-        zmq_auth.configure(cluster_keys.load(keys), "orchestrator")
+    with speaking_to_workers():
         return measure_with_workers(args)
 
 
