@@ -55,6 +55,7 @@ from simulator.links import Links
 from simulator.records import FINISHED, REJECTED, RequestRecord
 from simulator.requests import ReplayRequest
 from simulator.sequence import EngineRequest, Produced, RequestState
+from simulator.stopping import StopRule
 
 
 class ConservationError(AssertionError):
@@ -85,17 +86,22 @@ class Simulation:
         self.lends: dict[str, Flight] = {}  # a PULL's lend request id → its flight, until lent
         self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
         self._jitter = random.Random(seed)
+        self.stopped_early = False
         bind_prompts = getattr(policy, "bind_prompts", None)  # a router that reads the prompt (peer models)
         if bind_prompts is not None:
             bind_prompts(lambda request_id: self.flights[request_id].block_hashes)
 
     # ------------------------------------------------------------ the run
 
-    def run(self) -> list[RequestRecord]:
+    def run(self, stop: StopRule | None = None) -> list[RequestRecord]:
+        """The records of the requests that arrived: all of them, each ended, unless ``stop``
+        settled the run early (``stopped_early``; then some are still pending or running)."""
         for position, request in enumerate(self.requests):
             self.clock.at(request.arrival_seconds, self._arrive, request, f"req-{position:06d}-{request.index}")
-        self.clock.run()
-        self._check_nothing_left()
+        settled = None if stop is None else (lambda: stop.settled(self.flights.values(), self.now))
+        self.stopped_early = self.clock.run(settled, stop.check_every if stop else 1)
+        if not self.stopped_early:
+            self._check_nothing_left()
         return [record_of(flight) for flight in self.flights.values()]
 
     @property
