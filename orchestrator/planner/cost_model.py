@@ -47,8 +47,12 @@ DECODING_ROLES = ("decode", UNIFIED)  # the roles whose engines decode, stepping
 # Each request already running on a worker shares the forward passes a new prefill needs;
 # on CPU one more sequence in the batch costs roughly a quarter of a 20 ms step.
 DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE = 0.005
-# A LOCAL prefill stalls each running decode on that worker for about the prefill's length.
-# We count a quarter of that aggregate stall against the plan: a pause spread over many
+# A prompt prefilled on an engine that is decoding shares its steps with the running decodes
+# (chunked prefill): each decode's next token waits for every step the prompt takes, so each
+# stalls for about the prefill's time. ``calibration`` fits this ratio to the stalls the
+# orchestrator measures on the streams it relays (``orchestrator.decode_streams``).
+DEFAULT_STALL_PER_PREFILL_SECOND = 1.0
+# Ranking counts a quarter of that aggregate stall against the plan: a pause spread over many
 # streams' inter-token gaps hurts less than the same seconds of one client's TTFT.
 DEFAULT_LOCAL_INTERFERENCE_WEIGHT = 0.25
 DEFAULT_BYTES_PER_TOKEN = 23_040
@@ -78,6 +82,7 @@ class CostModel:
     links: Mapping[tuple[str, str], LinkEstimate] = field(default_factory=dict)
     decode_step_seconds: float = DEFAULT_DECODE_STEP_SECONDS
     interleave_seconds_per_active: float = DEFAULT_INTERLEAVE_SECONDS_PER_ACTIVE
+    stall_per_prefill_second: float = DEFAULT_STALL_PER_PREFILL_SECOND
     local_interference_weight: float = DEFAULT_LOCAL_INTERFERENCE_WEIGHT
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
     tier_loads: Mapping[str, LinkEstimate] = field(default_factory=lambda: dict(DEFAULT_TIER_LOADS))
@@ -255,10 +260,35 @@ def admission_seconds(model: CostModel, decode_worker: WorkerView, arrives_after
     return model.decode_step_seconds * (1 + decode_worker.num_waiting) + still_prefilling
 
 
-def local_interference_seconds(model: CostModel, decode_worker: WorkerView, prefill_time: float) -> float:
-    """The cost a LOCAL prefill imposes on the decode worker's running decodes."""
-    running = max(decode_worker.num_running, decode_worker.in_flight)
-    return model.local_interference_weight * running * prefill_time
+@dataclass(frozen=True)
+class Interference:
+    """What a prefill on a worker costs the decodes running there."""
+
+    stall: float  # seconds they wait for it, summed over them
+    charge: float  # what ranking adds for it
+
+
+NO_INTERFERENCE = Interference(0.0, 0.0)
+
+
+def running_decodes(worker: WorkerView) -> int:
+    """Requests decoding on ``worker`` when a prefill sent now runs there: those it reports
+    running, or more that this orchestrator sent (they start decoding within a prefill's time)."""
+    return max(worker.num_running, worker.in_flight)
+
+
+def decode_stall_seconds(model: CostModel, worker: WorkerView, prefill_time: float) -> float:
+    """Seconds a prefill of ``prefill_time`` on ``worker`` stalls the decodes running there,
+    summed over them; none on a worker that does not decode."""
+    if worker.role not in DECODING_ROLES:
+        return 0.0
+    return model.stall_per_prefill_second * prefill_time * running_decodes(worker)
+
+
+def local_interference(model: CostModel, worker: WorkerView, prefill_time: float) -> Interference:
+    """The stall a prefill on ``worker`` causes its running decodes, and what ranking charges for it."""
+    stall = decode_stall_seconds(model, worker, prefill_time)
+    return Interference(stall, model.local_interference_weight * stall) if stall > 0 else NO_INTERFERENCE
 
 
 def block_bytes(model: CostModel, worker: WorkerView) -> int:

@@ -96,7 +96,7 @@ class Estimate:
     reused_tokens: int
     transfer_bytes: int
     # Seconds charged for slowing others down: a LOCAL prefill stalls the decode worker's
-    # running decodes. Not part of this request's TTFT; planners add it when ranking.
+    # running decodes (``stall``). Not part of this request's TTFT; planners add it when ranking.
     interference: float = 0.0
     # Seconds the queue and prefill take longer because busy engines share the prefilling
     # worker's CPU cores; part of ``ttft``.
@@ -110,6 +110,9 @@ class Estimate:
     tier_tokens: int = 0
     tier_load: float = 0.0
     tier_disk_tokens: int = 0  # of ``tier_tokens``, those on the store's disk tier
+    # Seconds the prefill stalls the decodes running on its worker, summed over them: what
+    # ``interference`` charges for. The decision record holds it beside the stall measured.
+    stall: float = 0.0
 
 
 @dataclass(frozen=True)
