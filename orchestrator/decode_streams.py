@@ -22,6 +22,8 @@ not this one's.
 Not seen: streams that other orchestrator replicas relay, and streams that ended inside the
 window (their stall ended with them).
 
+The planner reads each worker's streams (``on``): how far each is, and its TPOT target.
+
 Single writer: the event loop, through ``CompletionService``: ``started`` when a stream's
 tokens begin to come from a worker, ``token`` for each chunk it relays, ``ended`` when the
 stream leaves the worker, and ``prefilled`` at each prefill's first token.
@@ -32,6 +34,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from orchestrator.planner.views import DecodeStream
 
 # Arrival times kept per stream: enough gaps for a median before any window and to cover a
 # window of many seconds at CPU step times; older gaps say little about the stream now.
@@ -98,6 +102,12 @@ class DecodeStreams:
             stream.first_at, count = now, count - 1  # gaps are counted from its first token here
         stream.tokens += count
         stream.arrivals.append(now)
+
+    def on(self, worker_id: str) -> tuple[DecodeStream, ...]:
+        """The streams decoding on ``worker_id`` that have had a token from it, as the planner sees them."""
+        return tuple(DecodeStream(stream.tpot_target, stream.tokens, stream.arrivals[-1] - stream.first_at,
+                                  stream.tokens_left)
+                     for stream in self._streams.get(worker_id, {}).values() if stream.first_at is not None)
 
     def ended(self, worker_id: str, stream_id: str) -> None:
         streams = self._streams.get(worker_id)

@@ -259,7 +259,8 @@ class CompletionService:
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
                           head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap,
-                          tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks)
+                          tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks,
+                          decoding=self.streams.on(worker.worker_id))
 
     # ------------------------------------------------------------ running
 

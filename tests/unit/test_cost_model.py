@@ -145,8 +145,8 @@ def test_the_shared_queue_runs_at_the_workers_measured_speed():
 
 
 def test_local_prefill_on_a_busy_decode_worker_is_penalised():
-    assert cost.local_interference(MODEL, worker(role="decode"), 0.4) == cost.NO_INTERFERENCE
-    busy = cost.local_interference(MODEL, worker(role="decode", num_running=4), 0.4)
+    assert cost.local_interference(MODEL, worker(role="decode"), 0.4, 256) == cost.NO_INTERFERENCE
+    busy = cost.local_interference(MODEL, worker(role="decode", num_running=4), 0.4, 256)
     assert busy.stall == pytest.approx(4 * 0.4)  # each of the four running decodes waits for the prefill
     assert busy.charge == pytest.approx(0.4)  # a quarter of it is charged
 

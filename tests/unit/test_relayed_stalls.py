@@ -13,7 +13,7 @@ from orchestrator.decisions import DecisionRecord
 from orchestrator.decode_streams import DecodeStreams
 from orchestrator.disagg import HandoffRecord
 from orchestrator.metrics import Metrics
-from orchestrator.planner.views import Decision, Estimate, Plan, PlanKind
+from orchestrator.planner.views import Decision, DecodeStream, Estimate, Plan, PlanKind
 from orchestrator.service import CompletionService, Job
 
 
@@ -73,3 +73,17 @@ async def test_a_local_prefill_records_the_stall_it_caused_beside_its_estimate(b
     assert 'kvroute_decode_stall_seconds_count{plan="local",policy="cache_aware"} 1.0' in text
     assert busy_d0.prefilled("d0", dispatched_at=2.0, now=2.1).streams == 1  # the job's stream left with it
 
+
+
+async def test_a_disagg_stream_joins_its_decode_worker_at_its_second_token(busy_d0, monkeypatch):
+    clock, plan = Clock(monkeypatch), Plan(PlanKind.DISAGG, "d0", "p0", estimate(stall=0.0))
+    job = Job(prompt_token_ids=[1] * 300, sampling=wire.SamplingSpec(max_tokens=4), cache_salt="s", tpot_target=0.05)
+    handoff = HandoffRecord(job.request_id)
+    seen = []
+    async for _ in service(busy_d0)._relayed(chunks(clock, handoff, [1.5, 1.6, 1.62, 1.64]), plan, job, handoff, 1.0):
+        seen.append([stream for stream in busy_d0.on("d0") if stream.tpot_target == 0.05])
+    # The first token is the prefill worker's: on d0 the stream starts with the second, 3 to go.
+    assert seen[0] == [] and seen[1] == [DecodeStream(0.05, decoded_tokens=0, decode_seconds=0.0, tokens_left=2)]
+    assert seen[3] == [DecodeStream(0.05, decoded_tokens=2, decode_seconds=pytest.approx(0.04), tokens_left=0)]
+    assert handoff.prefill_stall is None  # p0 decodes nothing
+    assert [stream.tpot_target for stream in busy_d0.on("d0")] == [0.1]  # gone with the request
