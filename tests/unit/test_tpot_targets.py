@@ -58,9 +58,13 @@ def test_a_long_max_tokens_is_looked_at_only_as_far_as_the_expected_output():
     assert cost.stream_overrun_seconds(near_target, 0.5, horizon_tokens=20, usual_gap=0.02) > 0.3
 
 
-def test_a_stream_without_a_gap_yet_is_paced_at_the_usual_decode_step():
+def test_a_stream_without_a_gap_yet_is_paced_as_the_others_on_its_worker_or_at_one_decode_step():
     fresh = DecodeStream(0.05, 0, 0.0, 10)
     assert cost.stream_overrun_seconds(fresh, 0.4, horizon_tokens=256, usual_gap=0.02) == pytest.approx(0.1)
+    model = CostModel()  # a 20 ms decode step
+    assert cost.worker_pace(model, worker("d0", decoding=(fresh,))) == model.decode_step_seconds
+    batched = (DecodeStream(0.05, 10, 0.4, 10), DecodeStream(0.05, 10, 0.5, 10), fresh)  # 40 and 50 ms a token
+    assert cost.worker_pace(model, worker("d0", decoding=batched)) == pytest.approx(0.045)
 
 
 # ---------------------------------------------------------------- the ranking, both ways
