@@ -40,8 +40,8 @@ from orchestrator.planner.views import DecodeStream
 # Arrival times kept per stream: enough gaps for a median before any window and to cover a
 # window of many seconds at CPU step times; older gaps say little about the stream now.
 ARRIVALS_KEPT = 64
-# Gaps a stream needs before a window for a usual gap of its own (one gap is one step, and
-# the first step after a hand-off or a prompt is rarely a usual one).
+# Gaps a stream needs before a window for a usual gap of its own: the median of one gap is
+# that gap, and the first after a hand-off or a prompt is rarely a usual one.
 MIN_USUAL_GAPS = 2
 
 
