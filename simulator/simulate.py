@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import make_policy
-from orchestrator.planner.settings import PlannerSettings
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, PlannerSettings
 from simulator.calibration import SimCalibration
 from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
@@ -52,6 +52,8 @@ class SimulationSettings:
     # a real run's faults, replayed. Default: every pull succeeds.
     failed_pulls: frozenset[int] = frozenset()
     tier: TierSettings = field(default_factory=TierSettings)  # default: no node stores
+    # Every request's TPOT target, as the orchestrator's --tpot-target-seconds (0: none).
+    tpot_target_seconds: float = DEFAULT_TPOT_TARGET_SECONDS
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
     policy = make_policy(policy, settings.planner) if isinstance(policy, str) else policy
     simulation = Simulation(requests, policy, fleet, calibration,
                             settings.cost_model or calibration.cost_model(), settings.admission, seed,
-                            settings.cpu, settings.failed_pulls)
+                            settings.cpu, settings.failed_pulls, settings.tpot_target_seconds)
     records = simulation.run(stop)
     workers = [WorkerStats(w.worker_id, w.role, w.engine.pool.num_total, w.engine.pool.max_used,
                            w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     targets = Targets(args.ttft_target, args.tpot_target)
     reports = []
     for engines in args.engines:
-        compared = systems(engines, calibration, args.shapes or None)
+        compared = systems(engines, calibration, targets.tpot_s, args.shapes or None)
         outcomes = [goodput_of(system, engines, args, targets)
                     for system in track(compared, f"{engines} engines", console, lambda system: system.name)]
         reports.append(report.machine_report(engines, outcomes))

@@ -80,10 +80,12 @@ def kvroute_engines() -> dict[str, EngineConfig]:
             for role in ("prefill", "decode", "unified")}
 
 
-def kvroute_system(shape: str, calibration: SimCalibration) -> System:
+def kvroute_system(shape: str, calibration: SimCalibration, tpot_target: float) -> System:
+    """``shape`` under the production planner, told the TPOT target it is judged by (as a user
+    would start ``kvroute serve --tpot-target-seconds``)."""
     counts, engines = parse_spec(shape), kvroute_engines()
     settings = SimulationSettings(prefill_engine=engines["prefill"], decode_engine=engines["decode"],
-                                  unified_engine=engines["unified"])
+                                  unified_engine=engines["unified"], tpot_target_seconds=tpot_target)
 
     def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         return simulate(requests, KVROUTE_POLICY, counts["prefill"], counts["decode"], calibration,
@@ -113,9 +115,10 @@ def one_engine(engines: int, calibration: SimCalibration) -> System:
     return System("one-engine", PEER, f"1u (x{engines})", run)
 
 
-def systems(engines: int, calibration: SimCalibration, shapes: list[str] | None = None) -> list[System]:
+def systems(engines: int, calibration: SimCalibration, tpot_target: float,
+            shapes: list[str] | None = None) -> list[System]:
     """kvroute's shapes, then the peers, then the reference, at ``engines`` engines."""
-    ours = [kvroute_system(shape, calibration) for shape in shapes or candidate_shapes(engines)]
+    ours = [kvroute_system(shape, calibration, tpot_target) for shape in shapes or candidate_shapes(engines)]
     return [*ours,
             replicas("router-hash", PEER, engines, calibration, PrefixHashRouter),
             replicas("router-affinity", PEER, engines, calibration, "prefix_affinity"),
