@@ -20,7 +20,9 @@ from tests.cluster import metric_at
 MODEL = "SmolLM2-135M-Instruct"
 ROLES = ("prefill", "decode", "decode")
 FLAKY = "decode-1"
-COOLDOWN_SECONDS = 3
+# Long enough for the eight requests after the breaker opens to finish within it on a loaded
+# machine (at 3 s a probe went to the flaky worker mid-loop under a load average of 7).
+COOLDOWN_SECONDS = 8
 
 
 @pytest.fixture(scope="module")
