@@ -154,6 +154,17 @@ class ErrorReply(_Message, tag="error"):
     message: str
 
 
+class LinkMeasurement(msgspec.Struct, forbid_unknown_fields=False):
+    """How a link's backend was chosen by measurement: one probe transfer's seconds over each
+    candidate, timed by the receiver (``transfer.transports.probing``)."""
+
+    chosen: str
+    candidates: list[str]
+    seconds: list[float | None]  # per candidate; None: it could not be set up or probed
+    probe_bytes: int = 0  # one probe transfer's payload
+    set_up_seconds: float = 0.0  # the receiver's whole measurement, link set-ups included
+
+
 class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     """Byte and block counters of one engine's connector, since process start."""
 
@@ -194,6 +205,10 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     # from an intermediate buffer (received frames): none for a direct or shared-copy pull.
     direct_pulls: int = 0
     bytes_scattered: int = 0
+    # Links whose backend was chosen by measurement ("auto" with nixl on both ends), and the
+    # latest such choices, newest last (``transfer.transports.probing``).
+    links_measured: int = 0
+    link_measurements: list[LinkMeasurement] = []
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -439,6 +454,9 @@ class LinkHello(_Message, tag="link_hello"):
     host_id: str  # equal on two ends that can share an ipc socket
     backends: list[str]  # the backends this end can run
     requested: str = "auto"  # this end's override, if any
+    # This end's ZeroMQ links encrypt KV (cluster keys, transfer encryption on): "auto" then
+    # measures nixl, which moves KV in clear, only between two ends on one host.
+    kv_encrypted: bool = True
 
 
 class LinkSetup(_Message, tag="link_setup"):
@@ -447,6 +465,14 @@ class LinkSetup(_Message, tag="link_setup"):
     backend: str
     address: str = ""
     error: str = ""  # set when the sender could not host; the receiver fails at once
+
+
+class LinkChoice(_Message, tag="link_choice"):
+    """The receiver's answer after probing each candidate backend: the one both ends keep
+    (``measurement.chosen``), or ``error`` when none could be probed."""
+
+    measurement: LinkMeasurement | None = None
+    error: str = ""
 
 
 class OpenLink(_Message, tag="open_link"):
@@ -625,6 +651,7 @@ Message = (
     | PullRecordsReply
     | LinkHello
     | LinkSetup
+    | LinkChoice
     | OpenLink
     | PullOverLink
     | TierLookup

@@ -214,17 +214,25 @@ class BlockServer:
                                       leases_staged=leases.num_staged, staged_bytes=leases.staged_bytes)
 
     def _open_link(self, identity: bytes, message: wire.OpenLink) -> None:
-        """Run the link's first contact inline: a few small messages, and for a
-        torch.distributed link the wait for the consumer to join its group."""
-        control = ProducerControl(self._socket, identity, message.payload)
+        """Run the link's first contact inline: a few small messages, for a torch.distributed
+        link the wait for the consumer to join its group, and where "auto" measures, the
+        probes of each candidate (``transfer.transports.probing``, bounded). What other peers
+        sent meanwhile is handled afterwards, in order."""
+        control = ProducerControl(self._socket, identity, message.link_id, message.payload)
         try:
-            sender = open_sender(control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
-                                 self.link_settings, zmq_context=self._context)
+            self._keep_link(message.link_id, open_sender(
+                control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
+                self.link_settings, zmq_context=self._context))
         except (TransportError, LayoutMismatch) as error:
             self._warnings.warn(peer_address(self._peer), "refused a transfer link: %s", error)
-            return
-        self._links[message.link_id] = sender
+        for deferred_identity, frames in control.deferred:
+            self._handle(deferred_identity, frames)
+
+    def _keep_link(self, link_id: str, sender: Sender) -> None:
+        self._links[link_id] = sender
         self.counters.add(links_opened=1)
+        if sender.measurement is not None:
+            self.counters.record_measurement(sender.measurement)
         while len(self._links) > MAX_LINKS:
             self._links.popitem(last=False)[1].close()
         logger.info("opened a %s link to a consumer (%d open)", sender.backend, len(self._links))

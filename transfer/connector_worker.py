@@ -44,9 +44,10 @@ from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
 from transfer.staging_arena import StagingArena, stage_in_arena, staging_arena
 from transfer.tier_worker import TierWorker
+from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.links import LinkTable
-from transfer.transports.nixl_agent import nixl_missing
-from transfer.transports.selection import hosted_backends
+from transfer.transports.nixl_agent import agent_for, nixl_missing
+from transfer.transports.settings import AUTO
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
@@ -102,6 +103,7 @@ class ConnectorWorker:
             self._direct = DirectReader(self.cache, self.settings.link_settings().host)
         if self._offers_direct_reads():
             self._arena = staging_arena(self.settings.staging_bytes)
+        self._warm_nixl_agents()
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -124,10 +126,28 @@ class ConnectorWorker:
                 and all(layer.is_contiguous() for layer in cache.layers))
 
     def _offers_direct_reads(self) -> bool:
-        """An endpoint hosting nixl stages leases into this process's staging arena, for its
-        consumers to READ them directly (``transfer.direct_exports``)."""
-        return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
+        """An endpoint configured to host nixl (forced, or listed in transfer_link_hosts)
+        stages leases into this process's staging arena, for its consumers to READ them
+        directly (``transfer.direct_exports``). Under "auto", which hosts nixl only to measure
+        it, leases stay in shared copies: only a forced-nixl consumer READs directly, and
+        arena leases are not offered as shared copies to the consumers that read those."""
+        link = self.settings.link_settings()
+        configured = link.hosted if link.hosted is not None else (link.backend,)
+        return ("nixl" in configured and not nixl_missing()
                 and self.cache.is_host_memory and self.settings.staging_bytes > 0)
+
+    def _warm_nixl_agents(self) -> None:
+        """Make this process's NIXL agents while the engine starts, when its links may run
+        nixl ("auto" measures it, or it is forced): the first agent of a process costs ~0.45 s
+        (UCX starting), which would otherwise fall on the first pull between two workers."""
+        if self.settings.transfer_link not in (AUTO, "nixl") or nixl_missing():
+            return
+        host = self.settings.link_settings().host
+        try:
+            for role in (SENDER, RECEIVER):
+                agent_for(role, host)
+        except Exception as error:  # noqa: BLE001 - links then find nixl cannot run, and say so
+            logger.warning("could not make this process's NIXL agents ahead of its links: %s", error)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
@@ -282,6 +302,8 @@ class ConnectorWorker:
                                   self.settings.link_settings())
         logger.info("opened a %s link from %s", link.receiver.backend, address)
         self.counters.add(links_opened=1)
+        if link.receiver.measurement is not None:
+            self.counters.record_measurement(link.receiver.measurement)
         return link
 
     def _finish(self, request_id: str, failed: bool) -> None:
