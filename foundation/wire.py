@@ -350,17 +350,27 @@ class PullBlocks(_Message, tag="pull"):
     # The consumer READs staged leases with NIXL straight into its cache (``transfer.direct_reads``);
     # a producer that can offer the lease that way answers with a DirectRef instead of frames.
     direct: bool = False
+    # The consumer reads a shared copy from ``SharedCopyRef.offset`` and confirms a pinned one
+    # (``ConfirmRead``) after reading it: a producer may then offer leases in its staging arena
+    # as shared copies too (``transfer.shared_copies``).
+    confirms_shared: bool = False
 
 
-class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True, omit_defaults=True):
     """Where a staged lease's copy lies in the producer's memory (``transfer.shared_copies``):
     an anonymous file, open as ``fd`` in process ``pid``, whose link names ``name``; every
-    layer's ``num_blocks`` blocks in wire format, one layer after another."""
+    layer's ``num_blocks`` blocks in wire format, one layer after another. Fields at their
+    defaults are left out of the encoding, so a ref without them reads as it always did."""
 
     pid: int
     fd: int
     name: str
     num_blocks: int
+    # Where the copy starts in the file: a lease in the staging arena shares its file with
+    # other leases. And, for such a lease, the pin that holds its region: nonzero, the read is
+    # trusted only once the producer confirmed it (``ConfirmRead``), as a direct READ is.
+    offset: int = 0
+    pin: int = 0
 
 
 class DirectRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):

@@ -164,9 +164,13 @@ PULL_BLOCKS_V3_HEX = (  # before ``direct`` was appended
     "86" + PULL_BLOCKS_V2_HEX[2:]
     + "a8636865636b73756d" "c2"  # checksum: false
 )
-PULL_BLOCKS_HEX = (
+PULL_BLOCKS_V4_HEX = (  # before ``confirms_shared`` was appended
     "87" + PULL_BLOCKS_V3_HEX[2:]
     + "a6646972656374" "c2"  # direct: false
+)
+PULL_BLOCKS_HEX = (
+    "88" + PULL_BLOCKS_V4_HEX[2:]
+    + "af636f6e6669726d735f736861726564" "c2"  # confirms_shared: false
 )
 
 PULL_HEADER_SHARED = wire.PullHeader(
@@ -193,6 +197,16 @@ PULL_HEADER_SHARED_HEX = (
     "a8636865636b73756d" "c2"  # checksum: false
     "a6646972656374" "c0"  # direct: nil
 )
+
+PULL_HEADER_SHARED_ARENA = wire.PullHeader(
+    ok=True, num_blocks=2, num_layers=30,
+    shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5, offset=8192, pin=3))
+PULL_HEADER_SHARED_ARENA_HEX = PULL_HEADER_SHARED_HEX.replace(
+    "ab7368617265645f636f7079" "84", "ab7368617265645f636f7079" "86").replace(  # shared_copy: map of 6
+    "aa6e756d5f626c6f636b73" "05",
+    "aa6e756d5f626c6f636b73" "05"  # num_blocks: 5
+    "a66f6666736574" "cd2000"  # offset: 8192 (only where not 0)
+    "a370696e" "03")  # pin: 3 (only where not 0)
 
 ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")
 ERROR_REPLY_HEX = (
@@ -306,6 +320,7 @@ GOLDEN = [
     pytest.param(HEARTBEAT, HEARTBEAT_HEX, id="Heartbeat"),
     pytest.param(PULL_BLOCKS, PULL_BLOCKS_HEX, id="PullBlocks"),
     pytest.param(PULL_HEADER_SHARED, PULL_HEADER_SHARED_HEX, id="PullHeader-shared-copy"),
+    pytest.param(PULL_HEADER_SHARED_ARENA, PULL_HEADER_SHARED_ARENA_HEX, id="PullHeader-shared-copy-in-arena"),
     pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
     pytest.param(LINK_HELLO, LINK_HELLO_HEX, id="LinkHello"),
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
@@ -337,6 +352,7 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
                                               (HEARTBEAT_V8_HEX, HEARTBEAT), (GENERATE_CHUNK_V3_HEX, GENERATE_CHUNK),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
+                                              (PULL_BLOCKS_V4_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK),
                                               (LINK_HELLO_V1_HEX, LINK_HELLO)],
@@ -344,7 +360,7 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                               "Heartbeat-v2", "Heartbeat-v3",
                               "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "Heartbeat-v8",
                               "GenerateChunk-v3", "PullBlocks-v1",
-                              "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1", "LinkHello-v1"])
+                              "PullBlocks-v2", "PullBlocks-v4", "PullHeader-v1", "PullOverLink-v1", "LinkHello-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

@@ -136,7 +136,7 @@ async def measure(args: argparse.Namespace, model: str, pairs: dict, results: di
     gate = QuietGate(args.wait_quiet)
     contexts = {path: Context(args, prompts, workers["prefill"], workers["decode"],
                               WorkerClient(workers["prefill"].rpc_address), WorkerClient(workers["decode"].rpc_address),
-                              sampling, gate, path)
+                              sampling, gate)
                 for path, workers in pairs.items()}
     ctx = contexts[args.paths[0]]
     try:

@@ -75,13 +75,11 @@ class QuietGate:
 
 class Context:
     """One prefill/decode worker pair and what a phase needs to measure it; ``gate``: the quiet
-    gate, shared by every pair of a run (default: one of its own); ``path``: the transfer path
-    the pair was started for (``paths.PATHS``)."""
+    gate, shared by every pair of a run (default: one of its own)."""
 
     def __init__(self, args, prompts, prefill_worker, decode_worker, prefill, decode, sampling,
-                 gate: QuietGate | None = None, path: str = "default"):
+                 gate: QuietGate | None = None):
         self.gate = gate or QuietGate(args.wait_quiet)
-        self.path = path
         self.args, self.prompts = args, prompts
         self.prefill_worker, self.decode_worker = prefill_worker, decode_worker
         self.prefill, self.decode, self.sampling = prefill, decode, sampling

@@ -90,27 +90,17 @@ async def measure_transfers(ctx) -> dict:
                                                torch.device("cpu"), TransportSettings(backend=backend))
                      for name, backend in link_variants.items()}
         try:
-            expected_reads = 1 + ctx.args.reps if offers_shared_copies(ctx) else 0
-            results["shared_copies_offered"] = bool(expected_reads)
             for target, blocks in plan:
                 entry = results["sizes"][f"{target:g}"] = await rig.measure_size(target, blocks)
-                if entry["shared_copy_reads"] != expected_reads:
+                if entry["shared_copy_reads"] != 1 + ctx.args.reps:
                     raise RuntimeError(f"the producer offered its shared copy to {entry['shared_copy_reads']} of "
-                                       f"{1 + ctx.args.reps} pulls, expected {expected_reads}; was it started with "
-                                       "--no-shared-copies?")
+                                       f"{1 + ctx.args.reps} pulls; was it started with --no-shared-copies?")
                 log_size(entry, link_variants)
         finally:
             rig.close()
             os.sched_setaffinity(0, all_cpus)
             torch.set_num_threads(previous_threads)
     return results
-
-
-def offers_shared_copies(ctx) -> bool:
-    """Whether the pair's producer offers its staged leases as shared copies: not where it
-    hosts nixl (its path forces it, or --links lists it), since it then stages them in its
-    staging arena, which it does not offer so (docs/transfer.md); pulls get frames instead."""
-    return ctx.path != "nixl" and "nixl" not in ctx.args.links
 
 
 @dataclass
