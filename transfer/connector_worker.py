@@ -30,7 +30,7 @@ from transfer.affinity import pin_current_thread, transfer_context, transfer_cpu
 from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
-from transfer.direct_reads import DirectReader
+from transfer.direct_reads import DIRECT, DirectReader
 from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
@@ -47,6 +47,7 @@ from transfer.tier_worker import TierWorker
 from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.links import LinkTable
 from transfer.transports.nixl_agent import agent_for, nixl_missing
+from transfer.transports.selection import hosted_backends
 from transfer.transports.settings import AUTO
 
 logger = logging.getLogger("kvroute.transfer.worker")
@@ -119,21 +120,28 @@ class ConnectorWorker:
                     self.settings.idle_spin_seconds)
 
     def _reads_directly(self) -> bool:
-        """With a forced nixl link, pulls READ staged leases straight into a contiguous host
-        cache (``transfer.direct_reads``); other caches take the link's frames."""
+        """Where this end's links may run nixl (forced, or "auto" measuring it), pulls of staged
+        leases can be READ straight into a contiguous host cache (``transfer.direct_reads``;
+        which pulls: ``_reads_directly_from``); other caches take the links' frames."""
         cache = self.cache
-        return (self.settings.transfer_link == "nixl" and not nixl_missing() and cache.is_host_memory
+        return (self.settings.transfer_link in (AUTO, "nixl") and not nixl_missing() and cache.is_host_memory
                 and all(layer.is_contiguous() for layer in cache.layers))
 
+    def _reads_directly_from(self, address: str) -> bool:
+        """Whether pulls from the producer at ``address`` READ its staged leases directly:
+        always with nixl forced; under "auto" where the link to it chose nixl by measurement
+        (opening that link on the first pull), since nixl's one-sided READ of the staged lease
+        is that link's own mechanism without the frames in between."""
+        if self._direct is None:
+            return False
+        return self.settings.transfer_link == "nixl" or self._links.get(address).receiver.backend == "nixl"
+
     def _offers_direct_reads(self) -> bool:
-        """An endpoint configured to host nixl (forced, or listed in transfer_link_hosts)
+        """An endpoint hosting nixl (forced, listed in transfer_link_hosts, or under "auto")
         stages leases into this process's staging arena, for its consumers to READ them
-        directly (``transfer.direct_exports``). Under "auto", which hosts nixl only to measure
-        it, leases stay in shared copies: only a forced-nixl consumer READs directly, and
-        arena leases are not offered as shared copies to the consumers that read those."""
-        link = self.settings.link_settings()
-        configured = link.hosted if link.hosted is not None else (link.backend,)
-        return ("nixl" in configured and not nixl_missing()
+        directly (``transfer.direct_exports``); consumers without nixl on this host read the
+        same regions as shared copies."""
+        return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
                 and self.cache.is_host_memory and self.settings.staging_bytes > 0)
 
     def _warm_nixl_agents(self) -> None:
@@ -144,7 +152,7 @@ class ConnectorWorker:
             return
         host = self.settings.link_settings().host
         try:
-            for role in (SENDER, RECEIVER):
+            for role in (SENDER, RECEIVER, DIRECT):
                 agent_for(role, host)
         except Exception as error:  # noqa: BLE001 - links then find nixl cannot run, and say so
             logger.warning("could not make this process's NIXL agents ahead of its links: %s", error)
@@ -264,7 +272,7 @@ class ConnectorWorker:
             cache.scatter_layer(layer, local, data)
             self.counters.add(bytes_scattered=data.numel())
 
-        if self._direct is not None:
+        if self._reads_directly_from(load.source.address):
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
                                self._channels, checksum=self.settings.transfer_checksum,
                                read_direct=self._direct_reader(load, deadline))

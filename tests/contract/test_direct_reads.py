@@ -236,7 +236,7 @@ def test_the_connector_reads_directly_with_a_nixl_link_and_scatters_nothing():
         worker.shutdown()
 
 
-@pytest.mark.parametrize("link", ["nixl", "endpoint"])
+@pytest.mark.parametrize("link", ["nixl", "auto", "endpoint"])
 def test_a_producer_connector_stages_into_the_arena_only_when_it_hosts_nixl(context, reader_of, link):
     address = tcp("127.0.0.1", free_port())
     settings = ConnectorSettings(transfer_address=address, transfer_bind=address, idle_spin_seconds=-1.0,
@@ -249,11 +249,12 @@ def test_a_producer_connector_stages_into_the_arena_only_when_it_hosts_nixl(cont
     try:
         worker.start(KVRouteConnectorMetadata(grants=[LeaseGrant("request", "handle", (6, 2, 9), 3 * BLOCK_SIZE)]))
         lease = worker.leases.get("handle")
-        assert lease.staged is not None and (lease.region is not None) == (link == "nixl")
+        hosts_nixl = link in ("nixl", "auto")  # auto hosts nixl to measure it
+        assert lease.staged is not None and (lease.region is not None) == hosts_nixl
         for layer in producer_cache.layers:
             layer.zero_()  # the engine reuses the freed blocks: the lease must not care
         source = PullSource(handle="handle", address=address, num_tokens=3 * BLOCK_SIZE, block_size=BLOCK_SIZE)
-        direct_pull(context, reader_of(consumer), source, [0, 1, 2], [0, 4, 3], expect_direct=link == "nixl")
+        direct_pull(context, reader_of(consumer), source, [0, 1, 2], [0, 4, 3], expect_direct=hosts_nixl)
         for layer in range(len(consumer.layers)):
             for remote, local in ((6, 0), (2, 4), (9, 3)):
                 assert torch.equal(block_bytes(consumer, layer, local), block_bytes(expected, layer, remote))

@@ -2,7 +2,9 @@
 (``transfer.transports.probing``), against a real BlockServer: whichever candidate is slowed
 on purpose loses, both ends keep the same backend and expose the measurement, a candidate
 that cannot be set up is never chosen, nothing is measured where an end does not offer nixl,
-and what other consumers send to the endpoint while it probes is answered afterwards."""
+and what other consumers send to the endpoint while it probes is answered afterwards. A
+consumer connector whose link chose nixl READs staged leases directly; one whose link chose
+zmq-ipc takes the link's frames."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import torch
 import zmq
 
 from foundation.endpoint_client import fetch_transfer_stats
-from tests.contract.transfer_endpoint import DEADLINE_SECONDS, Producer, assert_pulled
-from tests.paged_caches import CONSUMER_BLOCKS, make_cache
+from tests.contract.transfer_endpoint import DEADLINE_SECONDS, Producer, assert_pulled, stage_arena_lease
+from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, make_cache
+from transfer.connector_worker import ConnectorWorker
 from transfer.kv_layout import block_index_tensor
 from transfer.link_control import open_consumer_link, pull_over_link
+from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.settings import ConnectorSettings
 from transfer.transports import nixl_backend, zmq_backend
 from transfer.transports.nixl_agent import nixl_missing
 from transfer.transports.settings import TransportSettings
@@ -130,3 +135,30 @@ def test_what_others_send_while_the_endpoint_probes_is_answered_afterwards(conte
         assert len(answers) == 1 and answers[0].layout == producer.cache.spec
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("slowed, direct", [("zmq-ipc", True), ("nixl", False)], ids=["nixl-chosen", "zmq-chosen"])
+def test_an_auto_consumer_reads_directly_only_from_a_producer_its_link_chose_nixl_for(monkeypatch, slowed, direct):
+    slow_down(monkeypatch, slowed)
+    settings = ConnectorSettings(transfer_address="tcp://127.0.0.1:0", idle_spin_seconds=-1.0,
+                                 pull_timeout_seconds=5.0, transfer_link="auto")
+    worker = ConnectorWorker(settings, CONSUMER_BLOCKS, BLOCK_SIZE)
+    cache = make_cache(torch.bfloat16, "block-dim-0", CONSUMER_BLOCKS, seed=None)
+    worker.register({f"model.layers.{index}.attn": layer for index, layer in enumerate(cache.layers)})
+    try:
+        with Producer(torch.bfloat16, "block-dim-0", TransportSettings()).serving() as producer:
+            _, staged = stage_arena_lease(producer, (3, 7, 1))  # as an auto producer stages it
+            worker.start(KVRouteConnectorMetadata(loads=[LoadSpec("staged", staged, (0, 1, 2), (8, 0, 5))]))
+            finished: set[str] = set()
+            give_up_at = time.monotonic() + 10
+            while not finished and time.monotonic() < give_up_at:
+                _, finished, failed = worker.take_results()
+                time.sleep(0.01)
+            assert finished == {"staged"} and not failed
+            assert_pulled(producer, cache, (3, 7, 1), (8, 0, 5))
+            counters = worker.counters.snapshot()
+            assert counters.links_measured == 1 and counters.pulls_ok == 1
+            assert counters.direct_pulls == int(direct)
+            assert (counters.bytes_scattered == 0) == direct  # a link's frames are scattered; a READ is not
+    finally:
+        worker.shutdown()
