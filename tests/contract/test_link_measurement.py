@@ -16,13 +16,18 @@ import torch
 import zmq
 
 from foundation.endpoint_client import fetch_transfer_stats
-from tests.contract.transfer_endpoint import DEADLINE_SECONDS, Producer, assert_pulled, stage_arena_lease
-from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, make_cache
-from transfer.connector_worker import ConnectorWorker
+from tests.contract.transfer_endpoint import (
+    DEADLINE_SECONDS,
+    Producer,
+    assert_pulled,
+    consumer_connector,
+    run_loads,
+    stage_arena_lease,
+)
+from tests.paged_caches import CONSUMER_BLOCKS, make_cache
 from transfer.kv_layout import block_index_tensor
 from transfer.link_control import open_consumer_link, pull_over_link
-from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
-from transfer.settings import ConnectorSettings
+from transfer.metadata import LoadSpec
 from transfer.transports import nixl_backend, zmq_backend
 from transfer.transports.nixl_agent import nixl_missing
 from transfer.transports.settings import TransportSettings
@@ -140,20 +145,11 @@ def test_what_others_send_while_the_endpoint_probes_is_answered_afterwards(conte
 @pytest.mark.parametrize("slowed, direct", [("zmq-ipc", True), ("nixl", False)], ids=["nixl-chosen", "zmq-chosen"])
 def test_an_auto_consumer_reads_directly_only_from_a_producer_its_link_chose_nixl_for(monkeypatch, slowed, direct):
     slow_down(monkeypatch, slowed)
-    settings = ConnectorSettings(transfer_address="tcp://127.0.0.1:0", idle_spin_seconds=-1.0,
-                                 pull_timeout_seconds=5.0, transfer_link="auto")
-    worker = ConnectorWorker(settings, CONSUMER_BLOCKS, BLOCK_SIZE)
-    cache = make_cache(torch.bfloat16, "block-dim-0", CONSUMER_BLOCKS, seed=None)
-    worker.register({f"model.layers.{index}.attn": layer for index, layer in enumerate(cache.layers)})
+    worker, cache = consumer_connector("auto")
     try:
         with Producer(torch.bfloat16, "block-dim-0", TransportSettings()).serving() as producer:
             _, staged = stage_arena_lease(producer, (3, 7, 1))  # as an auto producer stages it
-            worker.start(KVRouteConnectorMetadata(loads=[LoadSpec("staged", staged, (0, 1, 2), (8, 0, 5))]))
-            finished: set[str] = set()
-            give_up_at = time.monotonic() + 10
-            while not finished and time.monotonic() < give_up_at:
-                _, finished, failed = worker.take_results()
-                time.sleep(0.01)
+            finished, failed = run_loads(worker, [LoadSpec("staged", staged, (0, 1, 2), (8, 0, 5))])
             assert finished == {"staged"} and not failed
             assert_pulled(producer, cache, (3, 7, 1), (8, 0, 5))
             counters = worker.counters.snapshot()

@@ -54,10 +54,7 @@ def open_sender(control: ControlChannel, layout: KVLayoutSpec, device: torch.dev
                 settings: TransportSettings | None = None, zmq_context: zmq.Context | None = None) -> Sender:
     """The sending end of a new link; the peer runs ``open_receiver`` at the same time."""
     options = _options(device, settings, zmq_context)
-    local = _hello(SENDER, layout, options)
-    remote = exchange_hellos(control, local, deadline)
-    name = choose_backend(local, remote)
-    candidates = measured_candidates(local, remote)
+    name, candidates = _first_contact(control, SENDER, layout, options, deadline)
 
     def host_announced(candidate: str, by: float) -> Sender:
         return _host_and_announce(control, candidate, options, by)
@@ -71,10 +68,7 @@ def open_receiver(control: ControlChannel, layout: KVLayoutSpec, device: torch.d
                   settings: TransportSettings | None = None, zmq_context: zmq.Context | None = None) -> Receiver:
     """The receiving end of a new link; the peer runs ``open_sender`` at the same time."""
     options = _options(device, settings, zmq_context)
-    local = _hello(RECEIVER, layout, options)
-    remote = exchange_hellos(control, local, deadline)
-    name = choose_backend(local, remote)
-    candidates = measured_candidates(local, remote)
+    name, candidates = _first_contact(control, RECEIVER, layout, options, deadline)
 
     def join_announced(candidate: str, setup: LinkSetup, by: float) -> Receiver:
         return _join_announced(candidate, setup, options, by)
@@ -82,6 +76,14 @@ def open_receiver(control: ControlChannel, layout: KVLayoutSpec, device: torch.d
     if candidates:
         return measure_as_receiver(control, candidates, probe_frames(layout), join_announced, deadline)
     return join_announced(name, receive(control, LinkSetup, deadline), deadline)
+
+
+def _first_contact(control: ControlChannel, role: str, layout: KVLayoutSpec, options: LinkOptions,
+                   deadline: float) -> tuple[str, tuple[str, ...]]:
+    """Exchange hellos; (the automatic or forced backend, the candidates to measure instead)."""
+    local = _hello(role, layout, options)
+    remote = exchange_hellos(control, local, deadline)
+    return choose_backend(local, remote), measured_candidates(local, remote)
 
 
 def _host_and_announce(control: ControlChannel, name: str, options: LinkOptions, deadline: float) -> Sender:

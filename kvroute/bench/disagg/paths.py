@@ -10,7 +10,8 @@ A path is what the two workers of a pair were started with (``PATHS``):
 * ``nixl``: ``--transfer-link nixl`` on both: the decode worker READs the staged lease from
   the producer's staging arena straight into its paged cache (``transfer.direct_reads``);
 * ``auto``: ``--transfer-link auto`` on both: a link per pair, its backend chosen by
-  measurement at its set-up (nixl where faster), the frames scattered into the cache.
+  measurement at its set-up; where that is nixl, direct READs as on the ``nixl`` path, else
+  the link's frames scattered into the cache.
 
 Each path's first request is a warm-up, reported apart: it pays one-off costs, among them
 a link's set-up (and ``auto``'s probe). For each prompt length the result gives, per path,
