@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -19,6 +20,7 @@ from orchestrator.auth import ApiKeys, Principal
 from orchestrator.errors import APIError, error_body
 from orchestrator.index_sync import IndexSync
 from orchestrator.input_limits import InputLimits
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, TPOT_TARGET_BOUNDS
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from orchestrator.rate_limit import TenantRateLimits
 from orchestrator.request_tracing import ApiCall
@@ -27,6 +29,7 @@ from orchestrator.tokenization import PromptError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 POLICY_HEADER = "X-KVRoute-Policy"
+TPOT_TARGET_HEADER = "X-KVRoute-TPOT-Target"  # seconds per output token, e.g. 0.05
 DECISIONS_LIMIT = 100
 
 
@@ -42,6 +45,7 @@ class ApiContext:
     rate_limits: TenantRateLimits = field(default_factory=TenantRateLimits)
     limits: InputLimits = field(default_factory=InputLimits)
     salt_secret: bytes | None = None  # the cluster's (foundation.cluster_keys); None: unkeyed salts
+    tpot_target_seconds: float = DEFAULT_TPOT_TARGET_SECONDS  # a request's unless its header asks another
 
     def authenticate(self, request: Request) -> Principal:
         """The caller's principal (401 without a valid key), kept on ``request.state``."""
@@ -63,6 +67,21 @@ class ApiContext:
             raise APIError(400, f"unknown policy {name!r}; choose one of {', '.join(self.service.policies)}",
                            param=POLICY_HEADER, code="unknown_policy")
         return name
+
+    def tpot_target_for(self, request: Request) -> float:
+        """The TPOT target the request's header asks for, within ``TPOT_TARGET_BOUNDS``; else the default."""
+        value = request.headers.get(TPOT_TARGET_HEADER)
+        if value is None:
+            return self.tpot_target_seconds
+        low, high = TPOT_TARGET_BOUNDS
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not low <= seconds <= high:  # NaN and infinities too
+            raise APIError(400, f"{TPOT_TARGET_HEADER} must be seconds per output token from {low:g} to {high:g}, "
+                                f"got {value!r}", param=TPOT_TARGET_HEADER, code="invalid_tpot_target")
+        return seconds
 
 
 def build_routers(context: ApiContext) -> list[APIRouter]:
@@ -174,13 +193,13 @@ def _encode_prompt(codec, prompt: str | list[int]) -> list[int]:
 def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, request: Request,
           shape: ChatShape) -> list[Job]:
     response_id = shape.id_prefix + uuid.uuid4().hex
-    policy = context.policy_for(request)
+    policy, tpot_target = context.policy_for(request), context.tpot_target_for(request)
     salt = context.namespace(request).cache_salt(context.salt_secret)
     tenant = request.state.principal.tenant
     jobs = [_job(body, prompt, context) for prompt in prompts]
     for index, job in enumerate(jobs):
         job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt
-        job.tenant = tenant
+        job.tenant, job.tpot_target = tenant, tpot_target
     return jobs
 
 

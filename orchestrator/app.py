@@ -102,7 +102,8 @@ def create_apps(settings: OrchestratorSettings) -> OrchestratorApps:
     security = zmq_auth.current()
     context = ApiContext(service, model_name, settings.max_model_len, fingerprint, api_keys, index_sync,
                          settings.allow_policy_override, rate_limits, limits,
-                         salt_secret=security.keys.salt_secret if security.keys else None)
+                         salt_secret=security.keys.salt_secret if security.keys else None,
+                         tpot_target_seconds=settings.tpot_target_seconds)
     api = _http_app(FastAPI(title="kvroute", lifespan=lifespan), settings, metrics, build_routers(context))
     api.state.fleet = fleet
     api.state.model_name = model_name

@@ -52,6 +52,10 @@ class Actual:
     error: str | None = None
     transfer_bytes: int | None = None
     transfer_seconds: float | None = None
+    # Seconds the prefill stalled the streams decoding on its worker, summed over the
+    # ``stalled_streams`` measured (``orchestrator.decode_streams``); None: none measured.
+    stall_seconds: float | None = None
+    stalled_streams: int | None = None
 
     def observe(self, handoff: HandoffRecord, arrived_at: float, now: float) -> None:
         """What the request's hand-off record says happened: its reuse, latencies and pull."""
@@ -65,6 +69,8 @@ class Actual:
             self.second_token_gap = handoff.second_token_at - handoff.first_token_at
         if handoff.transfer is not None and handoff.transfer.ok:
             self.transfer_bytes, self.transfer_seconds = handoff.transfer.num_bytes, handoff.transfer.seconds
+        if handoff.prefill_stall is not None:
+            self.stall_seconds, self.stalled_streams = handoff.prefill_stall.seconds, handoff.prefill_stall.streams
 
 
 @dataclass
@@ -84,6 +90,9 @@ class DecisionRecord:
     predicted_stored_tokens: int = 0
     # Of the predicted reuse, the part to load from the prefilling worker's node KV store.
     predicted_tier_tokens: int = 0
+    # Seconds the plan's prefill was estimated to stall the decodes running on its worker,
+    # summed over them (``Estimate.stall``); ``actual.stall_seconds`` is what was measured.
+    predicted_stall_seconds: float = 0.0
     tenant: str = "anonymous"
     created_at: float = field(default_factory=time.time)
     actual: Actual = field(default_factory=Actual)
@@ -101,7 +110,7 @@ class DecisionRecord:
                    decision.reason, plan_summary(chosen) if chosen else None,
                    [plan_summary(p) for p in decision.alternatives if p is not chosen],
                    predicted_stored_tokens=min(stored_tokens, predicted - tier), predicted_tier_tokens=tier,
-                   tenant=tenant)
+                   predicted_stall_seconds=estimate.stall if estimate else 0.0, tenant=tenant)
 
     def index_overestimated(self) -> bool:
         """The engine lacked blocks it had reported stored: the index is stale."""

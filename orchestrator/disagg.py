@@ -34,6 +34,7 @@ import zmq
 
 from foundation import wire
 from foundation.endpoint_client import release_lease
+from orchestrator.decode_streams import Stall
 from orchestrator.worker_client import WorkerClient, WorkerError, WorkerTimeout
 
 logger = logging.getLogger("kvroute.orchestrator.disagg")
@@ -65,6 +66,9 @@ class HandoffRecord:
     token_ids: list[int] = field(default_factory=list)
     transfer: wire.PullRecord | None = None  # as the decode worker's connector measured it
     lend_error: WorkerError | None = None  # a PULL's source failed to lend; the sink recomputed
+    # What the prefill stalled the streams decoding on its worker (``orchestrator.decode_streams``);
+    # None when none was measured (no stream there, or the worker does not decode).
+    prefill_stall: Stall | None = None
 
 
 def first_token_ends(chunk: wire.GenerateChunk, sampling: wire.SamplingSpec) -> bool:

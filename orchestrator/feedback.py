@@ -8,7 +8,9 @@ requests that found their workers idle, and no busy engine on their CPU cores, w
 prefill time at the worker's own speed; the planner adds what sharing a core costs.
 Link estimates come from the pulls the decode workers' connectors timed, and the node
 store's per-tier load estimates from the loads the prefilling workers' connectors timed
-(which also leaves those seconds out of the prefill's).
+(which also leaves those seconds out of the prefill's). The stall of running decodes per
+second of prefill comes from the stalls measured on the streams relayed
+(``orchestrator.decode_streams``), against the plan's estimated prefill.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class Feedback:
             num_bytes = actual.tier_tokens // record.block_size * block_bytes
             self.calibration.observe_tier_load(tier, num_bytes, tier_seconds, now=now)
             self.metrics.observe_tier_load(prefilling, tier, num_bytes, tier_seconds)
+        if actual.stall_seconds is not None and plan.estimate is not None:
+            self.calibration.observe_stall(actual.stall_seconds, actual.stalled_streams or 0, plan.estimate.prefill,
+                                           now=now)
         lender = plan.lending_worker
         if lender and actual.transfer_bytes:
             self.calibration.observe_link(lender, plan.decode_worker, actual.transfer_bytes, actual.transfer_seconds,

@@ -42,6 +42,10 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvroute_e2e_request_latency_seconds", "request arrival to last token",
                              ["policy"], buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_stall = Histogram("kvroute_decode_stall_seconds",
+                                      "what a prefill stalled the streams decoding on its worker, summed over them "
+                                      "(orchestrator.decode_streams), by the plan that prefilled there",
+                                      ["policy", "plan"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvroute_prompt_tokens", "prompt tokens placed, per prefilling worker",
                                      ["worker"], registry=r)
         self.prefix_tokens = Histogram("kvroute_prompt_length_tokens", "prompt length", buckets=TOKEN_BUCKETS,
@@ -125,6 +129,8 @@ class Metrics:
         self._per_worker(self.tier_tokens, (prefilling,), prefilling).inc(handoff.prefill_tier_tokens)
         self.generation_tokens.inc(record.actual.completion_tokens)
         self._observe_latencies(job, handoff, record.policy, kind)
+        if record.actual.stall_seconds is not None:
+            self.decode_stall.labels(record.policy, kind).observe(record.actual.stall_seconds)
         if plan.estimate is not None and plan.estimate.ttft > 0 and record.actual.ttft is not None:
             self.ttft_estimate_ratio.labels(record.policy).observe(record.actual.ttft / plan.estimate.ttft)
 

@@ -28,6 +28,7 @@ from foundation import identity, tracing, wire
 from orchestrator.circuit_breaker import DRAINING_CODE, counts_against_worker
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.decisions import DecisionLog, DecisionRecord
+from orchestrator.decode_streams import DecodeStreams
 from orchestrator.disagg import (
     HandoffRecord,
     OnTimeout,
@@ -68,6 +69,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     policy: str | None = None  # None: the orchestrator's configured policy
     tenant: str = "anonymous"  # whose request: its decision records are readable by that tenant only
+    tpot_target: float = 0.0  # seconds a token its stream should average once decoding; 0: none
     response_id: str = ""
     choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -132,10 +134,12 @@ class CompletionService:
                  index: PrefixIndex, decisions: DecisionLog, calibration: Calibration, feedback: Feedback,
                  worker_timeout: float, admission_wait: float = 10.0, max_attempts: int = 3,
                  queue_wait_limit: float = 600.0, activity: RecentActivity | None = None,
-                 tiers: TierHoldings | None = None):
-        """``tiers``: what the node KV stores hold (None: no worker uses one)."""
+                 tiers: TierHoldings | None = None, streams: DecodeStreams | None = None):
+        """``tiers``: what the node KV stores hold (None: no worker uses one); ``streams``: the
+        streams decoding on each worker, kept from the tokens relayed here."""
         self.fleet, self.codec, self.metrics = fleet, codec, metrics
         self.tiers = tiers or TierHoldings()
+        self.streams = streams or DecodeStreams()
         self.activity = activity or RecentActivity()  # the status page's last minutes
         self.policies, self.default_policy = policies, default_policy
         self.index, self.decisions, self.calibration, self.feedback = index, decisions, calibration, feedback
@@ -255,7 +259,8 @@ class CompletionService:
                           resident_blocks=self.index.num_blocks(worker.worker_id),
                           queued_prompts=None if queued.per_request is None else tuple(queued.per_request.values()),
                           head_prompt_elapsed=queued.head_age, prompt_step_cap=load.prompt_step_cap,
-                          tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks)
+                          tier_host_blocks=tier.host_blocks, tier_disk_blocks=tier.disk_blocks,
+                          decoding=self.streams.on(worker.worker_id))
 
     # ------------------------------------------------------------ running
 
@@ -304,7 +309,8 @@ class CompletionService:
         self._claim(prefilling, attempt, record.block_size)
         health: tuple[bool, _WorkerFailed | None] = (False, None)  # unchanged if the client leaves
         try:
-            chunks = self._until_prefilled(self._tokens(plan, attempt, handoff), prefilling, attempt)
+            relayed = self._relayed(self._tokens(plan, attempt, handoff), plan, attempt, handoff, time.perf_counter())
+            chunks = self._until_prefilled(relayed, prefilling, attempt)
             async with aclosing(chunks) as tokens:
                 async for delta in self._detokenize(tokens, outcome, text):
                     yield delta
@@ -391,6 +397,31 @@ class CompletionService:
                     self.fleet.ledger.prefilled(prefilling, job.request_id, now)
                     self.index.settle(prefilling, job.request_id, now)
                 yield chunk
+
+    async def _relayed(self, chunks: AsyncIterator[wire.GenerateChunk], plan: Plan, job: Job, handoff: HandoffRecord,
+                       dispatched_at: float) -> AsyncIterator[wire.GenerateChunk]:
+        """Pass chunks through, telling the decode streams what they show: at the first token,
+        that the prefill dispatched at ``dispatched_at`` ended (``handoff.prefill_stall``: what it
+        stalled on its worker); then each token the job's decode worker sends. A DISAGG's first
+        token comes from its prefill worker, so its stream there starts at the second."""
+        first_from_prefill_worker = plan.kind is PlanKind.DISAGG
+        self.streams.started(plan.decode_worker, job.request_id, job.tpot_target,
+                             job.sampling.max_tokens - first_from_prefill_worker)
+        first = True
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.token_ids:
+                        if first:
+                            handoff.prefill_stall = self.streams.prefilled(plan.prefilling_worker, dispatched_at,
+                                                                           handoff.first_token_at)
+                        if not (first and first_from_prefill_worker):
+                            self.streams.token(plan.decode_worker, job.request_id, len(chunk.token_ids),
+                                               time.perf_counter())
+                        first = False
+                    yield chunk
+        finally:
+            self.streams.ended(plan.decode_worker, job.request_id)
 
     def _client(self, worker_id: str):
         client = self.fleet.client(worker_id)

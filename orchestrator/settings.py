@@ -11,7 +11,7 @@ from foundation.config import setting
 from orchestrator.circuit_breaker import BreakerSettings
 from orchestrator.pending_blocks import PendingSettings
 from orchestrator.planner.policies import POLICIES
-from orchestrator.planner.settings import PlannerSettings
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, TPOT_TARGET_BOUNDS, PlannerSettings
 from orchestrator.rate_limit import RateLimit
 from orchestrator.recent_activity import RecentActivity
 from orchestrator.retry import RetryPolicy
@@ -34,6 +34,11 @@ class OrchestratorSettings:
     tie_band: float = setting(0.1, "plans costing within this fraction of the cheapest are ties, won by the "
                                    "emptiest cache (so new prefixes spread over the pool)")
     top_k: int = setting(4, "candidates kept per pool and ranking before plans are enumerated")
+    tpot_target_seconds: float = setting(DEFAULT_TPOT_TARGET_SECONDS,
+                                         "time per output token each stream is promised, unless its request "
+                                         "asks for another (docs/api.md): the planner charges in full the stall "
+                                         "a prefill would add past it to the streams decoding on its worker; "
+                                         "0: no target")
     max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
@@ -129,6 +134,9 @@ class OrchestratorSettings:
             raise ValueError("tier_index_poll_seconds must be between 0.01 and 60")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        low, high = TPOT_TARGET_BOUNDS
+        if self.tpot_target_seconds != 0 and not low <= self.tpot_target_seconds <= high:
+            raise ValueError(f"tpot_target_seconds must be 0 (no target) or from {low:g} to {high:g}")
         self.breaker_settings(), self.retry_policy(), self.recent_activity()  # their own checks, at start-up
         if not (0 <= self.tenant_rate_limit < math.inf) or self.tenant_burst < 0:
             raise ValueError("tenant_rate_limit and tenant_burst must be finite and not negative")

@@ -28,12 +28,16 @@ class EventQueue:
         heapq.heappush(self._heap, (time, self._sequence, callback, args))
         self._sequence += 1
 
-    def run(self) -> None:
-        """Process events in time order until none are left."""
+    def run(self, settled: Callable[[], bool] | None = None, check_every: int = 1) -> bool:
+        """Process events in time order until none are left, or until ``settled()`` (asked
+        every ``check_every`` events) says the rest need not run; whether it stopped early."""
         while self._heap:
+            if settled is not None and self.num_processed % check_every == 0 and self.num_processed and settled():
+                return True
             time, _, callback, args = heapq.heappop(self._heap)
             if time < self.now:
                 raise TimeWentBackwards(f"event at {time} popped after {self.now}")
             self.now = time
             self.num_processed += 1
             callback(*args)
+        return False

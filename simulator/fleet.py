@@ -14,7 +14,9 @@ from what a worker's heartbeat reports (``worker.process.WorkerProcess.load``):
   ``followable_blocks`` from it as the service does (``orchestrator.followers``);
 * ``tier_host_blocks`` / ``tier_disk_blocks``: with node stores (``simulator.node_store``),
   the run of prompt blocks past ``cached_blocks`` that the worker's node store holds, from
-  the production ``TierHoldings``, fed each store's events as soon as it changes (exact).
+  the production ``TierHoldings``, fed each store's events as soon as it changes (exact);
+* ``decoding``: the requests decoding on the worker that have had a token from it, as the
+  orchestrator's ``DecodeStreams`` relays them (``SimWorker.decoding``, kept by the loop).
 
 The index is the production one, fed the way vLLM's KV events feed it in service: each
 engine's ``BlockStored`` / ``BlockRemoved`` events, applied after every step. By default
@@ -43,7 +45,7 @@ from orchestrator.followers import followable_blocks
 from orchestrator.index import PrefixIndex
 from orchestrator.planner.candidates import load_key
 from orchestrator.planner.pools import LazyPool, LoadKey
-from orchestrator.planner.views import WorkerView
+from orchestrator.planner.views import DecodeStream, WorkerView
 from orchestrator.tier_holdings import NO_RUN, TierHoldings
 from simulator.engine import Engine, EngineConfig
 from simulator.node_store import NodeStore, TierSettings, node_names
@@ -101,6 +103,7 @@ class SimWorker:
         self.engine = Engine(config, store)
         self.bytes_per_block = bytes_per_token * config.block_size
         self.in_flight = 0
+        self.decoding: dict[str, DecodeStream] = {}  # request id → its stream here (the loop's)
         self.active: ActiveStep | None = None
         self.version = 0  # bumped whenever the pending step event is superseded
         self.num_steps = 0
@@ -128,11 +131,16 @@ class SimWorker:
 
     def view(self, now: float) -> WorkerView:
         """What a heartbeat and the ledger would tell the planner now. The oldest queued
-        prompt's age moves with the clock, so it is added to the cached view."""
+        prompt's age moves with the clock, and the streams decoding here (the orchestrator's
+        own bookkeeping) are read only where a policy reads the view: both are added to the
+        cached view."""
         view = self._static_view()
-        if self._oldest_queued_at is None or self.active is None:
-            return view
-        return with_head_elapsed(view, max(0.0, now - max(self._oldest_queued_at, self.active.started_at)))
+        changes = {}
+        if self._oldest_queued_at is not None and self.active is not None:
+            changes["head_prompt_elapsed"] = max(0.0, now - max(self._oldest_queued_at, self.active.started_at))
+        if self.decoding:
+            changes["decoding"] = tuple(self.decoding.values())
+        return copied_with(view, changes) if changes else view
 
     def queue_order(self) -> tuple[str, ...]:
         """The request ids of the prompts queued here, oldest first, as of the view."""
@@ -160,13 +168,13 @@ class SimWorker:
         return self._view
 
 
-def with_head_elapsed(view: WorkerView, seconds: float) -> WorkerView:
-    """``replace(view, head_prompt_elapsed=seconds)``, without re-running the view's
-    ``__init__`` over all its fields (8 µs against 0.9 µs): the copy is made for every
-    busy worker on every decision, about 300 a decision at 500 + 500 workers."""
+def copied_with(view: WorkerView, changes: dict) -> WorkerView:
+    """``replace(view, **changes)``, without re-running the view's ``__init__`` over all its
+    fields (8 µs against 0.9 µs): the copy is made for every busy worker on every decision,
+    about 300 a decision at 500 + 500 workers."""
     copied = object.__new__(WorkerView)
     copied.__dict__.update(view.__dict__)
-    copied.__dict__["head_prompt_elapsed"] = seconds
+    copied.__dict__.update(changes)
     return copied
 
 

@@ -43,7 +43,7 @@ from foundation import identity
 from orchestrator.core_sharing import with_core_neighbours
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import Policy
-from orchestrator.planner.views import Decision, PlanKind, RequestView
+from orchestrator.planner.views import Decision, DecodeStream, PlanKind, RequestView
 from orchestrator.tier_holdings import TierRun
 from simulator.calibration import SimCalibration
 from simulator.cpu import Cores, CpuSettings, core_bindings
@@ -55,6 +55,7 @@ from simulator.links import Links
 from simulator.records import FINISHED, REJECTED, RequestRecord
 from simulator.requests import ReplayRequest
 from simulator.sequence import EngineRequest, Produced, RequestState
+from simulator.stopping import StopRule
 
 
 class ConservationError(AssertionError):
@@ -73,8 +74,11 @@ class AdmissionSettings:
 class Simulation:
     def __init__(self, requests: Sequence[ReplayRequest], policy: Policy, fleet: SimFleet,
                  calibration: SimCalibration, cost_model: CostModel, admission: AdmissionSettings, seed: int,
-                 cpu: CpuSettings = CpuSettings(), failed_pulls: frozenset[int] = frozenset()):
+                 cpu: CpuSettings = CpuSettings(), failed_pulls: frozenset[int] = frozenset(),
+                 tpot_target: float = 0.0):
+        """``tpot_target``: every request's, as the orchestrator's ``--tpot-target-seconds`` (0: none)."""
         self.requests, self.policy, self.fleet = requests, policy, fleet
+        self.tpot_target = tpot_target
         self.calibration, self.cost_model, self.admission = calibration, cost_model, admission
         self.clock = EventQueue()
         self.links = Links(calibration)
@@ -85,17 +89,22 @@ class Simulation:
         self.lends: dict[str, Flight] = {}  # a PULL's lend request id → its flight, until lent
         self.pending: list[Flight] = []  # waiting for a feasible plan, oldest first
         self._jitter = random.Random(seed)
+        self.stopped_early = False
         bind_prompts = getattr(policy, "bind_prompts", None)  # a router that reads the prompt (peer models)
         if bind_prompts is not None:
             bind_prompts(lambda request_id: self.flights[request_id].block_hashes)
 
     # ------------------------------------------------------------ the run
 
-    def run(self) -> list[RequestRecord]:
+    def run(self, stop: StopRule | None = None) -> list[RequestRecord]:
+        """The records of the requests that arrived: all of them, each ended, unless ``stop``
+        settled the run early (``stopped_early``; then some are still pending or running)."""
         for position, request in enumerate(self.requests):
             self.clock.at(request.arrival_seconds, self._arrive, request, f"req-{position:06d}-{request.index}")
-        self.clock.run()
-        self._check_nothing_left()
+        settled = None if stop is None else (lambda: stop.settled(self.flights.values(), self.now))
+        self.stopped_early = self.clock.run(settled, stop.check_every if stop else 1)
+        if not self.stopped_early:
+            self._check_nothing_left()
         return [record_of(flight) for flight in self.flights.values()]
 
     @property
@@ -293,6 +302,8 @@ class Simulation:
             self._lent(self.lends.pop(produced.request.request_id))
             return
         flight = self.flights[produced.request.request_id]
+        if worker.worker_id == flight.plan.decode_worker:
+            self._decoded(worker, flight, produced)
         if flight.tokens_out == 0:
             self.fleet.index.settle(worker.worker_id, flight.request_id, self.now)
             flight.first_token_at = produced.first_at
@@ -311,6 +322,18 @@ class Simulation:
             self._submit(self.fleet.workers[flight.plan.decode_worker],
                          EngineRequest(flight.request_id, flight.token_ids, flight.block_hashes,
                                        max_tokens=flight.request.max_tokens, num_output=1, remote=True))
+
+    def _decoded(self, worker: SimWorker, flight: Flight, produced: Produced) -> None:
+        """``flight``'s stream on its decode worker, as the orchestrator relays it
+        (``orchestrator.decode_streams``): its gaps and seconds there, from its first token there."""
+        stream = worker.decoding.get(flight.request_id)
+        if stream is None:
+            gaps, seconds = produced.count - 1, produced.last_at - produced.first_at
+        else:
+            gaps = stream.decoded_tokens + produced.count
+            seconds = stream.decode_seconds + produced.last_at - flight.last_token_at
+        tokens_left = flight.request.max_tokens - flight.tokens_out - produced.count
+        worker.decoding[flight.request_id] = DecodeStream(self.tpot_target, gaps, seconds, tokens_left)
 
     def _lent(self, flight: Flight) -> None:
         """A PULL's source lent its blocks (its token is dropped): those the sink lacks move."""
@@ -331,6 +354,7 @@ class Simulation:
             raise ConservationError(f"{flight.request_id} ended twice (status {flight.status})")
         flight.status = FINISHED
         flight.token_ids, flight.block_hashes = None, []  # no longer needed; 4,000 prompts add up
+        self.fleet.workers[flight.plan.decode_worker].decoding.pop(flight.request_id, None)
         for worker_id in flight.plan.workers:
             worker = self.fleet.workers[worker_id]
             worker.in_flight -= 1
@@ -344,9 +368,9 @@ class Simulation:
                                     f"{len(self.flights)} of {len(self.requests)} arrived")
         for worker in self.fleet.workers.values():
             engine = worker.engine
-            if not engine.empty or engine.pool.num_used or worker.in_flight or worker.active:
+            if not engine.empty or engine.pool.num_used or worker.in_flight or worker.active or worker.decoding:
                 raise ConservationError(f"{worker.worker_id} left with {len(engine.running)} running, "
                                         f"{len(engine.waiting)} waiting, {engine.pool.num_used} blocks in use, "
-                                        f"{worker.in_flight} in flight")
+                                        f"{worker.in_flight} in flight, {len(worker.decoding)} streams decoding")
         if self.cores.busy:
             raise ConservationError(f"engines still marked busy on their cores: {sorted(self.cores.busy)}")

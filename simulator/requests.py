@@ -12,6 +12,7 @@ which is all a prefix cache can see.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ class TokenRequest:
         return len(self.prompt_token_ids)
 
 
-def _text_ids(label: str, text: str, count: int) -> list[int]:
-    return pseudo_token_ids(hashlib.sha256(f"{label}\x00{text}".encode()).digest(), count)
+@functools.lru_cache(maxsize=65_536)  # the same texts recur in every run of a goodput search
+def _text_ids(label: str, text: str, count: int) -> tuple[int, ...]:
+    return tuple(pseudo_token_ids(hashlib.sha256(f"{label}\x00{text}".encode()).digest(), count))
 
 
 def pseudo_chat_tokens(messages: Sequence[dict[str, str]]) -> list[int]:
@@ -58,7 +60,8 @@ def pseudo_chat_tokens(messages: Sequence[dict[str, str]]) -> list[int]:
     for message in messages:
         tokens += _text_ids("role", message["role"], ROLE_MARKER_TOKENS)
         tokens += _text_ids("content", message["content"], approx_tokens(message["content"]))
-    return tokens + _text_ids("role", "assistant", ROLE_MARKER_TOKENS)
+    tokens += _text_ids("role", "assistant", ROLE_MARKER_TOKENS)
+    return tokens
 
 
 def workload_prompt(request: WorkloadRequest, tokenizer=None) -> list[int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator.planner.cost_model import CostModel
 from orchestrator.planner.policies import make_policy
-from orchestrator.planner.settings import PlannerSettings
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, PlannerSettings
 from simulator.calibration import SimCalibration
 from simulator.cpu import CpuSettings
 from simulator.engine import EngineConfig
@@ -34,6 +34,7 @@ from simulator.node_store import StoreStats, TierSettings
 from simulator.records import PolicySummary, RequestRecord, summarize
 from simulator.requests import ReplayRequest, replay_requests
 from simulator.sequence import ceil_div
+from simulator.stopping import StopRule
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class SimulationSettings:
     # a real run's faults, replayed. Default: every pull succeeds.
     failed_pulls: frozenset[int] = frozenset()
     tier: TierSettings = field(default_factory=TierSettings)  # default: no node stores
+    # Every request's TPOT target, as the orchestrator's --tpot-target-seconds (0: none).
+    tpot_target_seconds: float = DEFAULT_TPOT_TARGET_SECONDS
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class SimulationResult:
     events: int
     wall_seconds: float
     stores: list[StoreStats] = field(default_factory=list)  # the node stores, if any
+    # A stop rule ended the run before every request did (``simulator.stopping``): its records
+    # are of the requests that had arrived, some still pending or running.
+    stopped_early: bool = False
 
     def to_dict(self, with_records: bool = True) -> dict:
         result = {"policy": self.policy, "summary": self.summary.to_dict(),
@@ -87,10 +93,12 @@ class SimulationResult:
 
 def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 1, num_decode: int = 1,
              calibration: SimCalibration | None = None, seed: int = 0,
-             settings: SimulationSettings | None = None, tokenizer=None, num_unified: int = 0) -> SimulationResult:
+             settings: SimulationSettings | None = None, tokenizer=None, num_unified: int = 0,
+             stop: StopRule | None = None) -> SimulationResult:
     """Replay ``trace_or_workload`` (a ``ScaledTrace``, trace requests, workload requests or
     ``TokenRequest``s) under ``policy`` (a name, or a policy object) on ``num_prefill`` +
-    ``num_decode`` + ``num_unified`` workers."""
+    ``num_decode`` + ``num_unified`` workers; ``stop`` may end the run once its verdict is
+    settled (``simulator.stopping``)."""
     started = time.perf_counter()
     calibration = calibration or SimCalibration()
     settings = settings or SimulationSettings()
@@ -103,14 +111,15 @@ def simulate(trace_or_workload, policy: str = "cache_aware", num_prefill: int = 
     policy = make_policy(policy, settings.planner) if isinstance(policy, str) else policy
     simulation = Simulation(requests, policy, fleet, calibration,
                             settings.cost_model or calibration.cost_model(), settings.admission, seed,
-                            settings.cpu, settings.failed_pulls)
-    records = simulation.run()
+                            settings.cpu, settings.failed_pulls, settings.tpot_target_seconds)
+    records = simulation.run(stop)
     workers = [WorkerStats(w.worker_id, w.role, w.engine.pool.num_total, w.engine.pool.max_used,
                            w.engine.pool.num_evicted, w.engine.num_preemptions, w.num_steps)
                for w in fleet.workers.values()]
     stores = [store.stats() for store in {id(store): store for store in fleet.stores.values()}.values()]
     return SimulationResult(policy.name, records, summarize(policy.name, records), workers, simulation.now,
-                            simulation.clock.num_processed, time.perf_counter() - started, stores)
+                            simulation.clock.num_processed, time.perf_counter() - started, stores,
+                            simulation.stopped_early)
 
 
 def engine_configs(settings: SimulationSettings) -> dict[str, EngineConfig]:

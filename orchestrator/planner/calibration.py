@@ -17,6 +17,7 @@ import numpy as np
 from orchestrator.planner.cost_model import (
     DEFAULT_LINK,
     DEFAULT_PREFILL,
+    DEFAULT_STALL_PER_PREFILL_SECOND,
     CostModel,
     LinkEstimate,
     PrefillCoefficients,
@@ -41,6 +42,12 @@ WORKER_SPEED_MIN_POINTS = 4
 MEASUREMENT_MEMORY_SECONDS = 60.0
 # Below this spread of transfer sizes (relative) the sizes cannot separate latency from bandwidth.
 MIN_RELATIVE_SIZE_SPREAD = 0.05
+# Bounds of one measured stall per second of prefill: one odd measurement (a client that
+# stopped reading, a worker swapped out for a moment) can neither make prefilling beside
+# decodes free nor forbid it. Chunked prefill puts the true ratio near 1; engines sharing
+# cores, or a prefill estimated short, put it above.
+STALL_RATIO_BOUNDS = (0.1, 4.0)
+DEFAULT_STALL_SMOOTHING = 0.2  # weight of the newest measured stall: ~5 prefills of memory, as for links
 
 
 def remembered(observed_at: float | None, now: float | None) -> bool:
@@ -307,20 +314,64 @@ def typical_link(estimates: Iterable[LinkEstimate], fallback: LinkEstimate) -> L
                         float(np.median([e.latency_seconds for e in estimates])))
 
 
+class StallCalibrator:
+    """Seconds each running decode stalls per second of a prefill beside it
+    (``CostModel.stall_per_prefill_second``), from the stalls the orchestrator measures
+    (``orchestrator.decode_streams``): an exponentially weighted mean, starting from
+    ``prior``, of each prefill's measured stall per stream over its estimated prefill
+    seconds, every measurement clamped to ``STALL_RATIO_BOUNDS`` (so the mean stays within
+    them). Forgotten ``MEASUREMENT_MEMORY_SECONDS`` after the last measurement, back to
+    ``prior``: a ratio measured high keeps prefills away from decoding workers, so nothing
+    would ever measure it again."""
+
+    def __init__(self, prior: float = DEFAULT_STALL_PER_PREFILL_SECOND,
+                 smoothing: float = DEFAULT_STALL_SMOOTHING):
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
+        self.prior = prior
+        self.smoothing = smoothing
+        self._ratio: float | None = None
+        self._observed_at: float | None = None
+
+    def observe(self, stall_seconds: float, streams: int, prefill_seconds: float, now: float | None = None) -> None:
+        """One prefill, estimated at ``prefill_seconds``, stalled ``streams`` decodes for
+        ``stall_seconds`` in all; remembered until the memory after ``now`` (for good without it)."""
+        if streams <= 0 or prefill_seconds <= 0 or stall_seconds < 0:
+            return  # nothing was stalled, or nothing was estimated: no ratio
+        low, high = STALL_RATIO_BOUNDS
+        measured = min(max(stall_seconds / streams / prefill_seconds, low), high)
+        current = self.ratio(now)
+        self._ratio = current + self.smoothing * (measured - current)
+        self._observed_at = now
+
+    def ratio(self, now: float | None = None) -> float:
+        """The mean of the measurements remembered at ``now``; ``prior`` without any."""
+        if self._ratio is None or not remembered(self._observed_at, now):
+            return self.prior
+        return self._ratio
+
+    def next_expiry(self, now: float) -> float:
+        """When the measurement remembered at ``now`` is forgotten."""
+        return next_expiry((self._observed_at,) if self._ratio is not None else (), now)
+
+
 def calibrated_model(base: CostModel, prefill: PrefillCalibrator, links: LinkCalibrator,
-                     now: float | None = None, tiers: LinkCalibrator | None = None) -> CostModel:
+                     now: float | None = None, tiers: LinkCalibrator | None = None,
+                     stalls: StallCalibrator | None = None) -> CostModel:
     """A new frozen model: ``base`` with every fitted class and observed link replaced, the
     pooled fit (when there is one) for classes without their own, each worker's speed
     against the coefficients of that model, and the typical link for links without an
     estimate; node-store tiers with loads observed (``tiers``, keyed (TIER_LOADS, tier))
-    priced at their fit. With ``now``, measurements past the memory are left out."""
+    priced at their fit; the stall of running decodes per second of prefill as measured
+    (``stalls``). With ``now``, measurements past the memory are left out."""
     remembered_links = links.estimates(now)
     tier_loads = {tier: estimate for (_, tier), estimate in (tiers.estimates(now) if tiers else {}).items()}
     model = replace(base, prefill=prefill.pooled() or base.prefill,
                     prefill_by_class={**base.prefill_by_class, **prefill.fitted()},
                     links={**base.links, **remembered_links},
                     default_link=typical_link(remembered_links.values(), base.default_link),
-                    tier_loads={**base.tier_loads, **tier_loads})
+                    tier_loads={**base.tier_loads, **tier_loads},
+                    stall_per_prefill_second=stalls.ratio(now) if stalls else base.stall_per_prefill_second)
     return replace(model, prefill_speed={**base.prefill_speed, **prefill.speeds(model.coefficients_for, now)})
 
 
@@ -343,6 +394,7 @@ class Calibration:
         self.prefill = PrefillCalibrator(defaults=self.base.prefill)
         self.links = LinkCalibrator(prior=self.base.default_link)
         self.tiers = LinkCalibrator(prior=self.base.tier_loads["host"])
+        self.stalls = StallCalibrator(prior=self.base.stall_per_prefill_second)
         self.refit_interval = refit_interval
         self._model = self.base
         self._fitted_at: float | None = None
@@ -363,6 +415,11 @@ class Calibration:
         self.tiers.observe(TIER_LOADS, tier, num_bytes, seconds, now)
         self._dirty = True
 
+    def observe_stall(self, stall_seconds: float, streams: int, prefill_seconds: float,
+                      now: float | None = None) -> None:
+        self.stalls.observe(stall_seconds, streams, prefill_seconds, now)
+        self._dirty = True
+
     def forget_worker(self, worker_id: str) -> None:
         """The worker left the fleet: its speed and its links are no longer measurements of anything."""
         self.prefill.forget_worker(worker_id)
@@ -373,9 +430,10 @@ class Calibration:
         due = now is None or self._fitted_at is None or now - self._fitted_at >= self.refit_interval
         expired = now is not None and now >= self._expires_at
         if (self._dirty or expired) and due:
-            self._model = calibrated_model(self.base, self.prefill, self.links, now, self.tiers)
+            self._model = calibrated_model(self.base, self.prefill, self.links, now, self.tiers, self.stalls)
             self._fitted_at, self._dirty = now, False
             self._expires_at = math.inf if now is None else min(self.prefill.next_expiry(now),
                                                                 self.links.next_expiry(now),
-                                                                self.tiers.next_expiry(now))
+                                                                self.tiers.next_expiry(now),
+                                                                self.stalls.next_expiry(now))
         return self._model

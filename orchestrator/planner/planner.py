@@ -3,7 +3,8 @@ in seconds (docs/placement.md). Pure: everything it needs is passed in.
 
     prune pools -> enumerate LOCAL and DISAGG plans -> estimate + mark infeasible -> rank -> explain
 
-Ranking: by least TTFT (plus the interference a LOCAL prefill causes, and the delay a
+Ranking: by least TTFT (plus the interference a LOCAL prefill causes, which counts in full
+the seconds it pushes running decodes past their TPOT targets, and the delay a
 prefill adds to the prompts queued on a worker that shares its steps), where a plan
 whose hand-off gap exceeds the bound is charged its whole gap as well. A gap within the
 bound is free; one past it costs what it costs, so a plan just over the bound still
@@ -134,7 +135,20 @@ def explain(request: RequestView, plans: list[Plan], ranked: list[Plan], views: 
                    f"({holdings(runner_up, request, views)}, queue {runner_up.estimate.queue_wait:.3f} s"
                    f"{charges(runner_up)})")
         reason += tie_reason(chosen, runner_up, views, settings)
-    return reason
+    return reason + tpot_reason(chosen, ranked, settings)
+
+
+def tpot_reason(chosen: Plan, ranked: list[Plan], settings: PlannerSettings) -> str:
+    """Names the TPOT charge where it decided: the plan that would have been cheapest without
+    it pushes running decodes past their TPOT targets. Empty where it did not decide."""
+    def untargeted(plan: Plan) -> float:
+        return ranking_seconds(plan, settings) - plan.estimate.tpot_charge
+
+    cheapest = min(ranked, key=untargeted)
+    if cheapest is chosen or untargeted(cheapest) >= untargeted(chosen):
+        return ""
+    return (f"; TPOT targets decide: {describe(cheapest)} would cost {untargeted(cheapest):.3f} s but push running "
+            f"decodes {cheapest.estimate.tpot_overrun:.3f} s past their targets, charged in full")
 
 
 def tie_reason(chosen: Plan, runner_up: Plan, views: dict[str, WorkerView], settings: PlannerSettings) -> str:
@@ -193,7 +207,8 @@ def charges(plan: Plan) -> str:
     """What the plan costs other requests, charged when ranking it."""
     estimate, text = plan.estimate, ""
     if estimate.interference > 0:
-        text += f", slows running decodes by {estimate.interference:.3f} s"
+        past = f", {estimate.tpot_overrun:.3f} s past their TPOT targets" if estimate.tpot_overrun > 0 else ""
+        text += f", stalls running decodes {estimate.stall:.3f} s in all{past} (charged {estimate.interference:.3f} s)"
     if estimate.queue_delay > 0:
         text += f", delays queued prompts by {estimate.queue_delay:.3f} s"
     return text

@@ -16,6 +16,11 @@ prefix from the lender and does not look in its store.
 
 (+ queue_delay: what the prefill adds to the prompts queued on its worker, where they share steps)
 
+``interference``: what ranking charges for the ``stall`` a prefill causes the decodes running
+on its worker (a decode or unified worker): a share of it, and in full the seconds that push
+streams past their TPOT targets (``tpot_overrun``). A PULL's lend is charged on its source
+too, but ``stall`` is the prefilling worker's alone, as the orchestrator measures it.
+
 ``admission(d)`` includes what is left of d's own queued prefills when the blocks arrive.
 
 ``contention`` is what busy engines on the prefilling worker's CPU cores add.
@@ -132,26 +137,27 @@ def decode_problem_for(request: RequestView, settings: PlannerSettings) -> Calla
     return problem
 
 
+def interference_fields(interference: cost.Interference) -> dict[str, float]:
+    """An ``Estimate``'s fields for what a prefill costs the decodes running beside it."""
+    return dict(interference=interference.charge, stall=interference.stall, tpot_overrun=interference.tpot_overrun,
+                tpot_charge=interference.tpot_charge)
+
+
 def local_plan(request: RequestView, decode: WorkerView, model: CostModel, settings: PlannerSettings) -> Plan:
     reuse = prefill_reuse(request, decode, model)
     reused = reuse.tokens
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, decode.role, decode.worker_id)
     queue_wait = cost.queue_wait_seconds(model, decode, prefill)
     contention = cost.contention_seconds(model, decode, queue_wait + prefill)
+    interference = cost.local_interference(model, decode, prefill, settings.expected_output_tokens)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=0.0,
                         ttft=queue_wait + reuse.tier_seconds + prefill + contention, gap=0.0, reused_tokens=reused,
-                        transfer_bytes=0, interference=cost.local_interference_seconds(model, decode, prefill),
+                        transfer_bytes=0, **interference_fields(interference),
                         contention=contention, queue_delay=cost.queue_delay_seconds(model, decode, prefill),
                         tier_tokens=reuse.tier_tokens, tier_load=reuse.tier_seconds,
                         tier_disk_tokens=reuse.tier_disk_tokens)
     problem = decode_worker_problem(decode, request, settings) or queue_problem(decode, settings)
     return Plan(PlanKind.LOCAL, decode.worker_id, None, estimate, not problem, problem)
-
-
-def decoder_interference(model: CostModel, worker: WorkerView, prefill: float) -> float:
-    """What a prefill on ``worker`` costs the decodes running there: nothing on a prefill
-    worker, whose running requests are prefills; as a LOCAL prefill's on a unified one."""
-    return cost.local_interference_seconds(model, worker, prefill) if worker.role in cost.DECODING_ROLES else 0.0
 
 
 def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: WorkerView,
@@ -166,10 +172,12 @@ def disagg_plan(request: RequestView, prefill_worker: WorkerView, decode: Worker
     transfer = cost.transfer_seconds(missing_bytes, model.link(prefill_worker.worker_id, decode.worker_id))
     contention = cost.contention_seconds(model, prefill_worker, queue_wait + prefill)
     ttft = queue_wait + reuse.tier_seconds + prefill + contention
+    # Nothing on a prefill worker, whose running requests are prefills; on a unified one, as LOCAL.
+    interference = cost.local_interference(model, prefill_worker, prefill, settings.expected_output_tokens)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
                         ttft=ttft, gap=transfer + cost.admission_seconds(model, decode, ttft + transfer),
                         reused_tokens=reused, transfer_bytes=missing_bytes, contention=contention,
-                        interference=decoder_interference(model, prefill_worker, prefill),
+                        **interference_fields(interference),
                         queue_delay=cost.queue_delay_seconds(model, prefill_worker, prefill),
                         tier_tokens=reuse.tier_tokens, tier_load=reuse.tier_seconds,
                         tier_disk_tokens=reuse.tier_disk_tokens)
@@ -201,11 +209,14 @@ def pull_plan(request: RequestView, source: WorkerView, sink: WorkerView, model:
     prefill = cost.prefill_seconds(model, request.prompt_tokens - reused, reused, sink.role, sink.worker_id)
     queue_wait = lend_wait + lend + transfer + cost.queue_wait_seconds(model, sink, prefill)
     contention = cost.contention_seconds(model, sink, queue_wait + prefill)
+    lending = cost.local_interference(model, source, lend, settings.expected_output_tokens)
+    interference = cost.local_interference(model, sink, prefill, settings.expected_output_tokens)
     estimate = Estimate(queue_wait=queue_wait, prefill=prefill, transfer=transfer,
                         ttft=queue_wait + prefill + contention, gap=0.0, reused_tokens=reused,
                         transfer_bytes=missing_bytes, contention=contention,
-                        interference=(decoder_interference(model, source, lend)
-                                      + cost.local_interference_seconds(model, sink, prefill)),
+                        interference=lending.charge + interference.charge, stall=interference.stall,
+                        tpot_overrun=lending.tpot_overrun + interference.tpot_overrun,
+                        tpot_charge=lending.tpot_charge + interference.tpot_charge,
                         queue_delay=(cost.queue_delay_seconds(model, source, lend)
                                      + cost.queue_delay_seconds(model, sink, prefill)))
     problem = (prefill_worker_problem(source, settings) or decode_worker_problem(sink, request, settings)

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The time per output token a request's stream is promised once it decodes, unless the request
+# asks for another: the TPOT target kvroute's benchmarks judge goodput by (``kvroute bench
+# peers``). On a Mooncake trace sample (2 prefill + 1 decode workers, the development machine)
+# the policies that prefill on the prefill workers only kept P99 TPOT at 0.089-0.099 s, where
+# LOCAL prefills beside running decodes took it to 0.179 s; and 0.15 s a token (~7 a second)
+# still outpaces reading.
+DEFAULT_TPOT_TARGET_SECONDS = 0.15
+# The targets a request may ask for: a millisecond a token is faster than any engine steps, and
+# a target of more than 10 s a token promises nothing.
+TPOT_TARGET_BOUNDS = (0.001, 10.0)
+
 
 @dataclass(frozen=True)
 class PlannerSettings:

@@ -22,6 +22,17 @@ UNIFIED = "unified"  # the role of a worker whose one engine prefills and decode
 
 
 @dataclass(frozen=True)
+class DecodeStream:
+    """One request decoding on a worker, as the orchestrator relays it
+    (``orchestrator.decode_streams``): how it has fared there and what it is promised."""
+
+    tpot_target: float  # seconds a token it should average; 0: no target
+    decoded_tokens: int  # tokens since its first one on this worker: its gaps so far
+    decode_seconds: float  # from its first token on this worker to its latest
+    tokens_left: int  # at most, by its max_tokens
+
+
+@dataclass(frozen=True)
 class WorkerView:
     """One worker as the planner sees it at decision time."""
 
@@ -56,6 +67,9 @@ class WorkerView:
     # computing them.
     tier_host_blocks: int = 0
     tier_disk_blocks: int = 0
+    # The streams this orchestrator relays from the worker that have had a token from it:
+    # what a prefill there would stall, and their TPOT targets.
+    decoding: tuple[DecodeStream, ...] = ()
 
     @property
     def reusable_blocks(self) -> int:
@@ -96,7 +110,7 @@ class Estimate:
     reused_tokens: int
     transfer_bytes: int
     # Seconds charged for slowing others down: a LOCAL prefill stalls the decode worker's
-    # running decodes. Not part of this request's TTFT; planners add it when ranking.
+    # running decodes (``stall``). Not part of this request's TTFT; planners add it when ranking.
     interference: float = 0.0
     # Seconds the queue and prefill take longer because busy engines share the prefilling
     # worker's CPU cores; part of ``ttft``.
@@ -110,6 +124,14 @@ class Estimate:
     tier_tokens: int = 0
     tier_load: float = 0.0
     tier_disk_tokens: int = 0  # of ``tier_tokens``, those on the store's disk tier
+    # Seconds the prefill stalls the decodes running on its worker, summed over them: what
+    # ``interference`` charges for. The decision record holds it beside the stall measured.
+    stall: float = 0.0
+    # Seconds the plan's prefills push running streams past their TPOT targets, summed over
+    # them, and the part of ``interference`` charged for that (those seconds count in full,
+    # not at the interference weight).
+    tpot_overrun: float = 0.0
+    tpot_charge: float = 0.0
 
 
 @dataclass(frozen=True)

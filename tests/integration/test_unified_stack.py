@@ -51,3 +51,14 @@ def test_a_mixed_pool_hands_off_from_a_prefill_worker_to_a_unified_one(tmp_path)
         plans = [complete(stack.url, f"mixed {i}", "round_robin")["plan"] for i in range(2)]
         assert [(p["kind"], p["prefill_worker"], p["decode_worker"]) for p in plans] == [
             ("disagg", "prefill-0", "unified-0"), ("local", None, "unified-0")]
+        # A stream's TPOT target: asked for in a header, bounded; the records carry the stall fields.
+        body = {"model": MODEL, "prompt": "tpot", "max_tokens": 4, "ignore_eos": True}
+        refused = httpx.post(stack.url + "/v1/completions", json=body, headers={"X-KVRoute-TPOT-Target": "fast"},
+                             timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_tpot_target"
+        answered = httpx.post(stack.url + "/v1/completions", json=body, headers={"X-KVRoute-TPOT-Target": "0.05"},
+                              timeout=60)
+        assert answered.status_code == 200, answered.text
+        (record,) = httpx.get(f"{stack.url}/v1/decisions/{answered.json()['id']}", timeout=10).json()["data"]
+        assert record["predicted_stall_seconds"] >= 0 and "stall" in record["chosen"]["estimate"]
+        assert {"stall_seconds", "stalled_streams"} <= record["actual"].keys()

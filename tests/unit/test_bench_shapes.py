@@ -10,7 +10,7 @@ import pytest
 
 from kvroute.bench.peers.report import Targets
 from kvroute.bench.shapes import cli, report
-from kvroute.bench.shapes.goodput import Sweep, attainment, meets_slo, search
+from kvroute.bench.shapes.goodput import Probe, Sweep, attainment, meets_slo, search
 from kvroute.bench.shapes.systems import KVROUTE, PEER, REFERENCE, candidate_shapes
 from simulator.records import FINISHED, REJECTED, RequestRecord
 
@@ -41,13 +41,13 @@ def test_attainment_counts_every_request_sent():
 @pytest.mark.parametrize("start", [0.5, 1.0, 3.0, 10.0])
 def test_the_search_finds_the_largest_rate_that_meets_the_bar(start):
     capacity = 3.7  # a system that serves everything up to 3.7 req/s and nothing past it
-    sweep = search(lambda rate: 1.0 if rate <= capacity else 0.0, start, 0.9, refinements=6)
+    sweep = search(lambda rate: Probe(1.0 if rate <= capacity else 0.0), start, 0.9, refinements=6)
     assert capacity * 0.97 < sweep.goodput <= capacity
     assert all((value == 1.0) == (rate <= capacity) for rate, value in sweep.probes.items())
 
 
 def test_a_system_that_never_meets_the_bar_has_no_goodput():
-    sweep = search(lambda rate: 0.5, 1.0, 0.9)
+    sweep = search(lambda rate: Probe(0.5), 1.0, 0.9)
     assert sweep.goodput is None and len(sweep.probes) == 7  # the start, then six steps down
 
 
@@ -92,3 +92,11 @@ def test_the_command_runs_end_to_end_on_a_tiny_machine(tmp_path):
     assert {row["name"] for row in machine["systems"]} == {"2u", "1p1d", "router-hash", "router-affinity",
                                                            "one-engine", "router-round-robin"}
     assert all(row["probes"] for row in machine["systems"]) and results["crossover"]
+
+
+def test_a_run_stopped_early_fails_its_probe_and_says_so():
+    sweep = search(lambda rate: Probe(1.0) if rate < 2 else Probe(0.4, stopped_early=True), 1.0, 0.9, refinements=1)
+    assert sweep.goodput is not None and sweep.goodput < 2 and sweep.stopped_early
+    assert all(rate >= 2 for rate in sweep.stopped_early)
+    rows = report.machine_report(1, [report.Outcome("1u", KVROUTE, "1u", sweep)])["systems"][0]["probes"]
+    assert [p["stopped_early"] for p in rows] == [p["rate"] >= 2 for p in rows]

@@ -145,8 +145,17 @@ def test_the_shared_queue_runs_at_the_workers_measured_speed():
 
 
 def test_local_prefill_on_a_busy_decode_worker_is_penalised():
-    assert cost.local_interference_seconds(MODEL, worker(role="decode"), 0.4) == 0.0
-    assert cost.local_interference_seconds(MODEL, worker(role="decode", num_running=4), 0.4) == pytest.approx(0.4)
+    assert cost.local_interference(MODEL, worker(role="decode"), 0.4, 256) == cost.NO_INTERFERENCE
+    busy = cost.local_interference(MODEL, worker(role="decode", num_running=4), 0.4, 256)
+    assert busy.stall == pytest.approx(4 * 0.4)  # each of the four running decodes waits for the prefill
+    assert busy.charge == pytest.approx(0.4)  # a quarter of it is charged
+
+
+def test_a_prefill_stalls_nothing_on_a_worker_that_does_not_decode():
+    assert cost.decode_stall_seconds(MODEL, worker(role="prefill", num_running=4), 0.4) == 0.0
+    assert cost.decode_stall_seconds(MODEL, worker(role="unified", num_running=4), 0.4) == pytest.approx(1.6)
+    assert cost.decode_stall_seconds(replace(MODEL, stall_per_prefill_second=0.5), worker(role="unified", in_flight=4),
+                                     0.4) == pytest.approx(0.8)
 
 
 def test_admission_waits_behind_waiting_requests():

@@ -39,9 +39,10 @@ from kvroute.bench.paths import REPO_ROOT
 from kvroute.bench.peers.report import Targets
 from kvroute.bench.progress import track
 from kvroute.bench.shapes import report
-from kvroute.bench.shapes.goodput import attainment, search
+from kvroute.bench.shapes.goodput import Probe, attainment, search
 from kvroute.bench.shapes.systems import System, long_output, systems
 from simulator import SimCalibration
+from simulator.stopping import SloMissBudget
 
 console = Console(width=int(os.environ.get("COLUMNS", "160")))
 
@@ -74,8 +75,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def goodput_of(system: System, engines: int, args: argparse.Namespace, targets: Targets) -> report.Outcome:
-    def attain(rate: float) -> float:
-        return attainment(system.run(long_output(rate, args.seconds, args.seed)).records, targets)
+    def attain(rate: float) -> Probe:
+        requests = long_output(rate, args.seconds, args.seed)
+        budget = SloMissBudget(targets.ttft_s, targets.tpot_s, len(requests), targets.attainment)
+        result = system.run(requests, budget)
+        if result.stopped_early:
+            return Probe(budget.best_possible, stopped_early=True)
+        return Probe(attainment(result.records, targets))
 
     sweep = search(attain, args.start_per_engine * engines, targets.attainment, refinements=args.refinements)
     return report.Outcome(system.name, system.kind, system.shape, sweep)
@@ -91,7 +97,8 @@ def machine_table(verdicts: dict, targets: Targets) -> Table:
         table.add_row(row["name"], row["kind"], row["shape"],
                       "-" if row["goodput_rps"] is None else f"{row['goodput_rps']:.3g}",
                       "-" if over is None else f"{over:.2f}x",
-                      " ".join(f"{p['rate']:.3g}:{p['attainment']:.0%}" for p in row["probes"]))
+                      " ".join(f"{p['rate']:.3g}:{'<=' if p['stopped_early'] else ''}{p['attainment']:.0%}"
+                               for p in row["probes"]))
     return table
 
 
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     targets = Targets(args.ttft_target, args.tpot_target)
     reports = []
     for engines in args.engines:
-        compared = systems(engines, calibration, args.shapes or None)
+        compared = systems(engines, calibration, targets.tpot_s, args.shapes or None)
         outcomes = [goodput_of(system, engines, args, targets)
                     for system in track(compared, f"{engines} engines", console, lambda system: system.name)]
         reports.append(report.machine_report(engines, outcomes))

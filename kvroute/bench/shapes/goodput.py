@@ -5,6 +5,9 @@ enough of them do. Pure functions; the simulation is passed in as a function of 
   (``peers.report.meets_slo``): it finished, its TTFT is within the TTFT target and its
   TPOT, (last − first token) / (tokens − 1), within the TPOT target (a one-token answer is
   judged on TTFT alone); a rejected request counts against it.
+* A run that can no longer reach the bar (more requests certain to miss than it allows) is
+  stopped there (``simulator.stopping``): the verdict is the same, at a fraction of the cost
+  of an overloaded run's draining backlog.
 * **Goodput** is the largest rate whose run has at least ``Targets.attainment`` (90%) of its
   requests within both targets. ``search`` raises the rate by ``growth`` from ``start``
   until a run falls short (or ``max_rate``), then bisects between the last rate that met
@@ -50,6 +53,9 @@ class Sweep:
 
     bar: float
     probes: dict[float, float] = field(default_factory=dict)  # rate → attainment
+    # Rates whose run stopped once it could no longer reach the bar (``simulator.stopping``):
+    # their attainment is the most the run could still have reached, below the bar.
+    stopped_early: set[float] = field(default_factory=set)
 
     def passes(self, rate: float) -> bool:
         return self.probes[rate] >= self.bar
@@ -61,16 +67,27 @@ class Sweep:
         return max(passing) if passing else None
 
 
-def search(attain: Callable[[float], float], start: float, bar: float, max_rate: float = float("inf"),
+@dataclass(frozen=True)
+class Probe:
+    """One run's attainment; ``stopped_early``: the most it could still have reached."""
+
+    attainment: float
+    stopped_early: bool = False
+
+
+def search(attain: Callable[[float], Probe], start: float, bar: float, max_rate: float = float("inf"),
            growth: float = GROWTH, refinements: int = REFINEMENTS) -> Sweep:
-    """The goodput of the system whose run at rate r attains ``attain(r)`` (see the module docstring).
+    """The goodput of the system whose run at rate r gives ``attain(r)`` (see the module docstring).
     From ``start`` down by ``growth`` while even ``start`` falls short (at most ``refinements`` + 3 times)."""
     if start <= 0 or growth <= 1:
         raise ValueError("start must be positive and growth above 1")
     sweep = Sweep(bar)
 
     def probe(rate: float) -> bool:
-        sweep.probes[rate] = attain(rate)
+        result = attain(rate)
+        sweep.probes[rate] = result.attainment
+        if result.stopped_early:
+            sweep.stopped_early.add(rate)
         return sweep.passes(rate)
 
     low, high, rate = None, None, start

@@ -55,7 +55,8 @@ def machine_report(engines: int, outcomes: list[Outcome]) -> dict:
         "engines": engines,
         "systems": [{"name": o.name, "kind": o.kind, "shape": o.shape, "goodput_rps": o.sweep.goodput,
                      "over_best_peer": ratio(o.goodput, peer_goodput),
-                     "probes": [{"rate": rate, "attainment": value} for rate, value in sorted(o.sweep.probes.items())]}
+                     "probes": [{"rate": rate, "attainment": value, "stopped_early": rate in o.sweep.stopped_early}
+                                for rate, value in sorted(o.sweep.probes.items())]}
                     for o in outcomes],
         "chosen_shape": chosen.name if chosen else None,
         "chosen_goodput_rps": chosen.goodput if chosen else None,

@@ -33,6 +33,7 @@ from kvroute.bench.replay_sources import WORKLOADS
 from kvroute.topology import parse_spec, spec_of
 from simulator import EngineConfig, SimCalibration, SimulationResult, SimulationSettings, simulate
 from simulator.peers import PrefixHashRouter, one_engine_machine
+from simulator.stopping import StopRule
 from worker.settings import default_long_prefill_tokens
 from workloads import WorkloadRequest
 
@@ -40,7 +41,8 @@ KVROUTE, PEER, REFERENCE = "kvroute", "peer", "reference"
 KVROUTE_POLICY = "cache_aware"
 WORKLOAD = "long-output"
 
-Run = Callable[[list[WorkloadRequest]], SimulationResult]
+# A run of requests; the stop rule may end it once its verdict is settled.
+Run = Callable[[list[WorkloadRequest], StopRule | None], SimulationResult]
 
 
 @dataclass(frozen=True)
@@ -78,14 +80,16 @@ def kvroute_engines() -> dict[str, EngineConfig]:
             for role in ("prefill", "decode", "unified")}
 
 
-def kvroute_system(shape: str, calibration: SimCalibration) -> System:
+def kvroute_system(shape: str, calibration: SimCalibration, tpot_target: float) -> System:
+    """``shape`` under the production planner, told the TPOT target it is judged by (as a user
+    would start ``kvroute serve --tpot-target-seconds``)."""
     counts, engines = parse_spec(shape), kvroute_engines()
     settings = SimulationSettings(prefill_engine=engines["prefill"], decode_engine=engines["decode"],
-                                  unified_engine=engines["unified"])
+                                  unified_engine=engines["unified"], tpot_target_seconds=tpot_target)
 
-    def run(requests: list[WorkloadRequest]) -> SimulationResult:
+    def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         return simulate(requests, KVROUTE_POLICY, counts["prefill"], counts["decode"], calibration,
-                        settings=settings, num_unified=counts["unified"])
+                        settings=settings, num_unified=counts["unified"], stop=stop)
 
     return System(spec_of(counts), KVROUTE, spec_of(counts), run)
 
@@ -94,9 +98,9 @@ def replicas(name: str, kind: str, engines: int, calibration: SimCalibration,
              router: Callable[[], object] | str) -> System:
     """``engines`` plain vLLM replicas (unified workers, no cap) behind ``router``: a policy
     name, or a factory of a fresh policy object per run."""
-    def run(requests: list[WorkloadRequest]) -> SimulationResult:
+    def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         policy = router if isinstance(router, str) else router()
-        return simulate(requests, policy, 0, 0, calibration, num_unified=engines)
+        return simulate(requests, policy, 0, 0, calibration, num_unified=engines, stop=stop)
 
     return System(name, kind, f"{engines}u", run)
 
@@ -104,16 +108,17 @@ def replicas(name: str, kind: str, engines: int, calibration: SimCalibration,
 def one_engine(engines: int, calibration: SimCalibration) -> System:
     faster, engine = one_engine_machine(calibration, EngineConfig(), engines)
 
-    def run(requests: list[WorkloadRequest]) -> SimulationResult:
+    def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         return simulate(requests, "round_robin", 0, 0, faster,
-                        settings=SimulationSettings(unified_engine=engine), num_unified=1)
+                        settings=SimulationSettings(unified_engine=engine), num_unified=1, stop=stop)
 
     return System("one-engine", PEER, f"1u (x{engines})", run)
 
 
-def systems(engines: int, calibration: SimCalibration, shapes: list[str] | None = None) -> list[System]:
+def systems(engines: int, calibration: SimCalibration, tpot_target: float,
+            shapes: list[str] | None = None) -> list[System]:
     """kvroute's shapes, then the peers, then the reference, at ``engines`` engines."""
-    ours = [kvroute_system(shape, calibration) for shape in shapes or candidate_shapes(engines)]
+    ours = [kvroute_system(shape, calibration, tpot_target) for shape in shapes or candidate_shapes(engines)]
     return [*ours,
             replicas("router-hash", PEER, engines, calibration, PrefixHashRouter),
             replicas("router-affinity", PEER, engines, calibration, "prefix_affinity"),
