@@ -154,6 +154,17 @@ class ErrorReply(_Message, tag="error"):
     message: str
 
 
+class LinkMeasurement(msgspec.Struct, forbid_unknown_fields=False):
+    """How a link's backend was chosen by measurement: one probe transfer's seconds over each
+    candidate, timed by the receiver (``transfer.transports.probing``)."""
+
+    chosen: str
+    candidates: list[str]
+    seconds: list[float | None]  # per candidate; None: it could not be set up or probed
+    probe_bytes: int = 0  # one probe transfer's payload
+    set_up_seconds: float = 0.0  # the receiver's whole measurement, link set-ups included
+
+
 class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     """Byte and block counters of one engine's connector, since process start."""
 
@@ -194,6 +205,10 @@ class TransferCounters(msgspec.Struct, forbid_unknown_fields=False):
     # from an intermediate buffer (received frames): none for a direct or shared-copy pull.
     direct_pulls: int = 0
     bytes_scattered: int = 0
+    # Links whose backend was chosen by measurement ("auto" with nixl on both ends), and the
+    # latest such choices, newest last (``transfer.transports.probing``).
+    links_measured: int = 0
+    link_measurements: list[LinkMeasurement] = []
 
 
 class PromptTokenCounters(msgspec.Struct, forbid_unknown_fields=False):
@@ -335,17 +350,27 @@ class PullBlocks(_Message, tag="pull"):
     # The consumer READs staged leases with NIXL straight into its cache (``transfer.direct_reads``);
     # a producer that can offer the lease that way answers with a DirectRef instead of frames.
     direct: bool = False
+    # The consumer reads a shared copy from ``SharedCopyRef.offset`` and confirms a pinned one
+    # (``ConfirmRead``) after reading it: a producer may then offer leases in its staging arena
+    # as shared copies too (``transfer.shared_copies``).
+    confirms_shared: bool = False
 
 
-class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+class SharedCopyRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True, omit_defaults=True):
     """Where a staged lease's copy lies in the producer's memory (``transfer.shared_copies``):
     an anonymous file, open as ``fd`` in process ``pid``, whose link names ``name``; every
-    layer's ``num_blocks`` blocks in wire format, one layer after another."""
+    layer's ``num_blocks`` blocks in wire format, one layer after another. Fields at their
+    defaults are left out of the encoding, so a ref without them reads as it always did."""
 
     pid: int
     fd: int
     name: str
     num_blocks: int
+    # Where the copy starts in the file: a lease in the staging arena shares its file with
+    # other leases. And, for such a lease, the pin that holds its region: nonzero, the read is
+    # trusted only once the producer confirmed it (``ConfirmRead``), as a direct READ is.
+    offset: int = 0
+    pin: int = 0
 
 
 class DirectRef(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
@@ -439,6 +464,9 @@ class LinkHello(_Message, tag="link_hello"):
     host_id: str  # equal on two ends that can share an ipc socket
     backends: list[str]  # the backends this end can run
     requested: str = "auto"  # this end's override, if any
+    # This end's ZeroMQ links encrypt KV (cluster keys, transfer encryption on): "auto" then
+    # measures nixl, which moves KV in clear, only between two ends on one host.
+    kv_encrypted: bool = True
 
 
 class LinkSetup(_Message, tag="link_setup"):
@@ -447,6 +475,14 @@ class LinkSetup(_Message, tag="link_setup"):
     backend: str
     address: str = ""
     error: str = ""  # set when the sender could not host; the receiver fails at once
+
+
+class LinkChoice(_Message, tag="link_choice"):
+    """The receiver's answer after probing each candidate backend: the one both ends keep
+    (``measurement.chosen``), or ``error`` when none could be probed."""
+
+    measurement: LinkMeasurement | None = None
+    error: str = ""
 
 
 class OpenLink(_Message, tag="open_link"):
@@ -625,6 +661,7 @@ Message = (
     | PullRecordsReply
     | LinkHello
     | LinkSetup
+    | LinkChoice
     | OpenLink
     | PullOverLink
     | TierLookup

@@ -147,6 +147,12 @@ def secure_client(socket: zmq.Socket, server_role: str, transfer: bool = False) 
     return socket
 
 
+def encrypts_kv() -> bool:
+    """Whether this process's transfer sockets encrypt KV bytes; True where nothing is
+    configured yet, so what asks errs towards keeping KV secret."""
+    return _security is None or _encrypts(_security, transfer=True)
+
+
 def _encrypts(security: Security, transfer: bool) -> bool:
     return security.keys is not None and (security.transfer_encryption or not transfer)
 

@@ -54,7 +54,8 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
     live throughout (``ConfirmRead``), else the pull fails.
     With ``read_shared``, a producer on this host may offer the lease's copy in shared
     memory instead, which ``read_shared`` reads; when it cannot, the layers are asked for
-    again as frames on the same connection. With ``checksum``, every frame comes after
+    again as frames on the same connection. A pinned copy (in the producer's staging arena)
+    must be confirmed after reading, as a direct READ is. With ``checksum``, every frame comes after
     its digest and is checked before ``on_layer`` sees it.
 
     Returns the number of bytes received. Raises PullFailed on refusal, a short or
@@ -63,7 +64,7 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
     """
     request = wire.PullBlocks(handle=source.handle, block_indices=list(block_indices), layout=layout,
                               host=local_host() if read_shared is not None else "", checksum=checksum,
-                              direct=read_direct is not None)
+                              direct=read_direct is not None, confirms_shared=read_shared is not None)
     try:
         with exchange(context, source.address, deadline, channels) as channel:
             header = _request_pull(channel, request)
@@ -73,7 +74,10 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
                 return nbytes
             if header.shared_copy is not None:
                 try:
-                    return read_shared(header.shared_copy)
+                    nbytes = read_shared(header.shared_copy)
+                    if header.shared_copy.pin:
+                        _confirm_read(channel, source.handle, header.shared_copy.pin)
+                    return nbytes
                 except SharedCopyUnavailable as error:
                     logger.warning("reading the shared copy of %s failed (%s); pulling its layers as frames",
                                    source.address, error)
@@ -92,11 +96,11 @@ def pull_blocks(context: zmq.Context, source: wire.PullSource, block_indices: Se
 
 
 def _confirm_read(channel: Channel, handle: str, pin: int) -> None:
-    """Raise PullFailed unless the producer vouches that the READ saw the lease live."""
+    """Raise PullFailed unless the producer vouches that the read saw the lease live."""
     channel.send(wire.ConfirmRead(handle=handle, pin=pin))
     reply = channel.receive_message()
     if not isinstance(reply, wire.ConfirmReadReply) or not reply.valid:
-        raise PullFailed(f"the producer did not confirm the direct read: {getattr(reply, 'error', reply)}")
+        raise PullFailed(f"the producer did not confirm the read: {getattr(reply, 'error', reply)}")
 
 
 def _check_digest(layer: int, frame: zmq.Frame, digest: bytes) -> None:

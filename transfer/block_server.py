@@ -7,7 +7,9 @@ Protocol over one ROUTER socket (client: a DEALER)::
     PullBlocks ──▶ PullHeader(ok) ──▶ one raw frame per layer (blocks in request order);
         with ``checksum``, each frame comes after its xxh3 digest (transfer.transports.checksums)
     PullBlocks from this host, staged lease ──▶ PullHeader(ok, shared_copy): the consumer
-        reads the lease's copy itself (transfer.shared_copies); no frames follow
+        reads the lease's copy itself (transfer.shared_copies); no frames follow. A lease in
+        the staging arena is offered so only to a consumer that confirms (confirms_shared):
+        its ref carries a pin, and ConfirmRead ──▶ ConfirmReadReply follows the read
     PullBlocks(direct), lease in the staging arena ──▶ PullHeader(ok, direct): the consumer
         READs the copy with NIXL (transfer.direct_exports), then ConfirmRead ──▶ ConfirmReadReply
     OpenLink ──▶ LinkHello, LinkSetup (a transport link to that consumer; see link_control)
@@ -214,17 +216,25 @@ class BlockServer:
                                       leases_staged=leases.num_staged, staged_bytes=leases.staged_bytes)
 
     def _open_link(self, identity: bytes, message: wire.OpenLink) -> None:
-        """Run the link's first contact inline: a few small messages, and for a
-        torch.distributed link the wait for the consumer to join its group."""
-        control = ProducerControl(self._socket, identity, message.payload)
+        """Run the link's first contact inline: a few small messages, for a torch.distributed
+        link the wait for the consumer to join its group, and where "auto" measures, the
+        probes of each candidate (``transfer.transports.probing``, bounded). What other peers
+        sent meanwhile is handled afterwards, in order."""
+        control = ProducerControl(self._socket, identity, message.link_id, message.payload)
         try:
-            sender = open_sender(control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
-                                 self.link_settings, zmq_context=self._context)
+            self._keep_link(message.link_id, open_sender(
+                control, self.cache.spec, self.cache.device, time.monotonic() + LINK_OPEN_SECONDS,
+                self.link_settings, zmq_context=self._context))
         except (TransportError, LayoutMismatch) as error:
             self._warnings.warn(peer_address(self._peer), "refused a transfer link: %s", error)
-            return
-        self._links[message.link_id] = sender
+        for deferred_identity, frames in control.deferred:
+            self._handle(deferred_identity, frames)
+
+    def _keep_link(self, link_id: str, sender: Sender) -> None:
+        self._links[link_id] = sender
         self.counters.add(links_opened=1)
+        if sender.measurement is not None:
+            self.counters.record_measurement(sender.measurement)
         while len(self._links) > MAX_LINKS:
             self._links.popitem(last=False)[1].close()
         logger.info("opened a %s link to a consumer (%d open)", sender.backend, len(self._links))
@@ -286,14 +296,26 @@ class BlockServer:
 
     def _offer_shared_copy(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
         """Answer a consumer on this host with the staged copy itself; False: send frames."""
-        if not (isinstance(request, wire.PullBlocks) and request.host and lease.shared is not None
-                and request.host == local_host()):
+        if not (isinstance(request, wire.PullBlocks) and request.host and request.host == local_host()):
+            return False
+        ref = self._shared_ref(request, lease)
+        if ref is None:
             return False
         count = len(request.block_indices)
-        self._reply(identity, self._accepted(request, shared_copy=lease.shared.ref(len(lease.block_ids))))
+        self._reply(identity, self._accepted(request, shared_copy=ref))
         self.counters.add(bytes_sent=count * self.cache.spec.bytes_per_block, blocks_sent=count, shared_pulls=1)
         self.leases.mark_pulled(lease.handle)
         return True
+
+    def _shared_ref(self, request: wire.PullBlocks, lease) -> wire.SharedCopyRef | None:
+        """The lease's copy as a consumer on this host opens it: its own memfd, or its region of
+        the staging arena, pinned, for a consumer that confirms what it read there."""
+        num_blocks = len(lease.block_ids)
+        if lease.shared is not None:
+            return lease.shared.ref(num_blocks)
+        if lease.region is None or not request.confirms_shared or not lease.region.arena.shared:
+            return None
+        return lease.region.shared_ref(num_blocks, self.direct.pin(lease, time.monotonic()))
 
     def _offer_direct(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
         """Answer a consumer that READs with NIXL with where the lease lies in the staging arena;

@@ -30,7 +30,7 @@ from transfer.affinity import pin_current_thread, transfer_context, transfer_cpu
 from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
 from transfer.counters import Counters
-from transfer.direct_reads import DirectReader
+from transfer.direct_reads import DIRECT, DirectReader
 from transfer.idle_spin import shorten_idle_spin
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
@@ -44,9 +44,11 @@ from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
 from transfer.shared_copies import read_shared_copy, stage_shared
 from transfer.staging_arena import StagingArena, stage_in_arena, staging_arena
 from transfer.tier_worker import TierWorker
+from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.links import LinkTable
-from transfer.transports.nixl_agent import nixl_missing
+from transfer.transports.nixl_agent import agent_for, nixl_missing
 from transfer.transports.selection import hosted_backends
+from transfer.transports.settings import AUTO
 
 logger = logging.getLogger("kvroute.transfer.worker")
 
@@ -102,6 +104,7 @@ class ConnectorWorker:
             self._direct = DirectReader(self.cache, self.settings.link_settings().host)
         if self._offers_direct_reads():
             self._arena = staging_arena(self.settings.staging_bytes)
+        self._warm_nixl_agents()
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
                                   context=self._context, cpus=self._cpus,
@@ -117,17 +120,42 @@ class ConnectorWorker:
                     self.settings.idle_spin_seconds)
 
     def _reads_directly(self) -> bool:
-        """With a forced nixl link, pulls READ staged leases straight into a contiguous host
-        cache (``transfer.direct_reads``); other caches take the link's frames."""
+        """Where this end's links may run nixl (forced, or "auto" measuring it), pulls of staged
+        leases can be READ straight into a contiguous host cache (``transfer.direct_reads``;
+        which pulls: ``_reads_directly_from``); other caches take the links' frames."""
         cache = self.cache
-        return (self.settings.transfer_link == "nixl" and not nixl_missing() and cache.is_host_memory
+        return (self.settings.transfer_link in (AUTO, "nixl") and not nixl_missing() and cache.is_host_memory
                 and all(layer.is_contiguous() for layer in cache.layers))
 
+    def _reads_directly_from(self, address: str) -> bool:
+        """Whether pulls from the producer at ``address`` READ its staged leases directly:
+        always with nixl forced; under "auto" where the link to it chose nixl by measurement
+        (opening that link on the first pull), since nixl's one-sided READ of the staged lease
+        is that link's own mechanism without the frames in between."""
+        if self._direct is None:
+            return False
+        return self.settings.transfer_link == "nixl" or self._links.get(address).receiver.backend == "nixl"
+
     def _offers_direct_reads(self) -> bool:
-        """An endpoint hosting nixl stages leases into this process's staging arena, for its
-        consumers to READ them directly (``transfer.direct_exports``)."""
+        """An endpoint hosting nixl (forced, listed in transfer_link_hosts, or under "auto")
+        stages leases into this process's staging arena, for its consumers to READ them
+        directly (``transfer.direct_exports``); consumers without nixl on this host read the
+        same regions as shared copies."""
         return ("nixl" in hosted_backends(self.settings.link_settings()) and not nixl_missing()
                 and self.cache.is_host_memory and self.settings.staging_bytes > 0)
+
+    def _warm_nixl_agents(self) -> None:
+        """Make this process's NIXL agents while the engine starts, when its links may run
+        nixl ("auto" measures it, or it is forced): the first agent of a process costs ~0.45 s
+        (UCX starting), which would otherwise fall on the first pull between two workers."""
+        if self.settings.transfer_link not in (AUTO, "nixl") or nixl_missing():
+            return
+        host = self.settings.link_settings().host
+        try:
+            for role in (SENDER, RECEIVER, DIRECT):
+                agent_for(role, host)
+        except Exception as error:  # noqa: BLE001 - links then find nixl cannot run, and say so
+            logger.warning("could not make this process's NIXL agents ahead of its links: %s", error)
 
     def start(self, metadata: KVRouteConnectorMetadata) -> None:
         now = time.monotonic()
@@ -244,7 +272,7 @@ class ConnectorWorker:
             cache.scatter_layer(layer, local, data)
             self.counters.add(bytes_scattered=data.numel())
 
-        if self._direct is not None:
+        if self._reads_directly_from(load.source.address):
             return pull_blocks(self._context, load.source, load.remote_indices, cache.spec, store, deadline,
                                self._channels, checksum=self.settings.transfer_checksum,
                                read_direct=self._direct_reader(load, deadline))
@@ -282,6 +310,8 @@ class ConnectorWorker:
                                   self.settings.link_settings())
         logger.info("opened a %s link from %s", link.receiver.backend, address)
         self.counters.add(links_opened=1)
+        if link.receiver.measurement is not None:
+            self.counters.record_measurement(link.receiver.measurement)
         return link
 
     def _finish(self, request_id: str, failed: bool) -> None:

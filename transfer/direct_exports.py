@@ -1,5 +1,7 @@
 """A producer's staged leases, offered for consumers to READ with NIXL straight into their
 caches (``transfer.direct_reads``): the arena's registration, pins, and confirmations.
+Arena leases offered as shared copies (``transfer.shared_copies``) are pinned and confirmed
+the same way (``pin``, ``confirm``): a consumer's ``preadv`` cannot be refused either.
 
 ::
 
@@ -62,7 +64,7 @@ class DirectExports:
 
     @property
     def pinned(self) -> bool:
-        """Some consumer may be READing: the agent needs progress (``tend``)."""
+        """Some consumer may be reading: pins lapse, and a READ needs the agent's progress (``tend``)."""
         return bool(self._pins)
 
     def offer(self, lease: Lease, positions: list[int], checksum: bool, now: float) -> DirectRef | None:
@@ -74,13 +76,19 @@ class DirectExports:
         if self._agent is None:
             self._agent = self._make_agent()
         metadata = exported_metadata(region.arena, self._agent)
-        number, pin = next(self._pin_numbers), _Pin(lease.handle, now + PIN_SECONDS)
-        region.hold(pin)
-        self._pins[number] = pin
+        number = self.pin(lease, now)
         return DirectRef(agent=self._agent.name, metadata=metadata, arena_address=region.arena.address,
                          arena_bytes=region.arena.nbytes, num_blocks=len(lease.block_ids), pin=number,
                          layer_offsets=[layer.data_ptr() - region.arena.address for layer in lease.staged],
                          digests=self._digests(lease, positions) if checksum else None)
+
+    def pin(self, lease: Lease, now: float) -> int:
+        """Hold the region of ``lease`` (in the staging arena) for one read; the pin's number,
+        which the consumer's ``ConfirmRead`` names."""
+        number, pin = next(self._pin_numbers), _Pin(lease.handle, now + PIN_SECONDS)
+        lease.region.hold(pin)
+        self._pins[number] = pin
+        return number
 
     def _digests(self, lease: Lease, positions: list[int]) -> bytes:
         """Per layer, the digest of the frame of these positions, hashed where it lies."""
@@ -104,7 +112,8 @@ class DirectExports:
         """Progress the agent while a READ may run; let lapsed pins go."""
         if not self._pins:
             return
-        self._agent.progress()
+        if self._agent is not None:  # pins of shared-copy reads alone need no agent
+            self._agent.progress()
         for number, pin in list(self._pins.items()):
             if pin.lapses_at <= now:
                 pin.done = True

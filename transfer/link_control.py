@@ -39,7 +39,7 @@ from transfer.link_names import ENDPOINT, LINK_CHOICES
 from transfer.pull_check import CorruptFrame
 from transfer.transports.base import Receiver
 from transfer.transports.checksums import ChecksumMismatch
-from transfer.transports.errors import LinkRefused, TransportError, TransportTimeout, seconds_left
+from transfer.transports.errors import TransportError, TransportTimeout, seconds_left
 from transfer.transports.links import open_receiver
 from transfer.transports.settings import TransportSettings
 
@@ -47,20 +47,42 @@ LINK_OPEN_SECONDS = 10.0
 
 
 class ProducerControl:
-    """The producer's side of a link's first contact: replies go to one ROUTER peer; the
-    only message it reads is the consumer's hello, which came with ``OpenLink``."""
+    """The producer's side of a link's first contact: replies go to one ROUTER peer. The
+    consumer's hello came with ``OpenLink``; what the consumer says later (its ``LinkChoice``,
+    when the backend is chosen by measurement) comes as another ``OpenLink`` of the same
+    link id on the same socket. Other messages that arrive meanwhile are kept, in order, in
+    ``deferred`` (identity frame, message frames) for the server to handle afterwards."""
 
-    def __init__(self, socket: zmq.Socket, identity: bytes, hello: bytes):
-        self._socket, self._identity = socket, identity
+    def __init__(self, socket: zmq.Socket, identity: bytes, link_id: str, hello: bytes):
+        self._socket, self._identity, self._link_id = socket, identity, link_id
         self._unread = [hello]
+        self.deferred: list[tuple[zmq.Frame, list[zmq.Frame]]] = []
 
     def send_bytes(self, payload: bytes) -> None:
         self._socket.send_multipart([self._identity, payload])
 
     def receive_bytes(self, deadline: float) -> bytes:
-        if not self._unread:
-            raise LinkRefused("the consumer sent nothing after its hello")
-        return self._unread.pop()
+        if self._unread:
+            return self._unread.pop()
+        while self._socket.poll(int(seconds_left(deadline, "the consumer's link message") * 1000) + 1):
+            identity, *frames = self._socket.recv_multipart(copy=False)
+            payload = self._ours(identity, frames)
+            if payload is not None:
+                return payload
+            self.deferred.append((identity, frames))
+        raise TransportTimeout("the consumer did not continue the link's first contact before the deadline")
+
+    def _ours(self, identity: zmq.Frame, frames: list[zmq.Frame]) -> bytes | None:
+        """The payload of an OpenLink of this link from this consumer; None for anything else."""
+        if identity.bytes != self._identity or len(frames) != 1:
+            return None
+        try:
+            message = wire.decode(frames[0].buffer)
+        except wire.WireError:
+            return None
+        if isinstance(message, wire.OpenLink) and message.link_id == self._link_id:
+            return message.payload
+        return None
 
 
 class ConsumerControl:

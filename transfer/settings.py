@@ -46,11 +46,12 @@ class ConnectorSettings:
     transfer_cpus: str = ""
     # How pulled layers travel: "endpoint" (back on the connection that asked, the default)
     # or over a transport link per producer–consumer pair (transfer.link_control): "auto"
-    # (CUDA caches: nccl; one host: zmq-ipc; else zmq-tcp) or a backend name forcing it.
+    # (CUDA caches: nccl; one host: zmq-ipc; else zmq-tcp; measured against nixl at the link's
+    # set-up where both ends run it, the faster kept) or a backend name forcing it.
     transfer_link: str = "endpoint"
     # The backends this endpoint hosts links of when a consumer asks, comma-separated; empty:
     # what transfer_link implies ("endpoint": zmq-ipc and zmq-tcp, which cost no wait; "auto":
-    # what auto picks; a backend: it and the ZeroMQ ones). Gloo and NCCL make the endpoint wait
+    # what auto picks or measures; a backend: it and the ZeroMQ ones). Gloo and NCCL make the endpoint wait
     # for the peer to join, so it hosts them only when configured for them.
     transfer_link_hosts: str = ""
     # Stage leases in shared memory, and read a producer's staged copy straight into this

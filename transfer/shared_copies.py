@@ -14,6 +14,14 @@ with ``preadv`` straight into the destination rows of its paged cache::
           ◀──────────── ReleaseLease(ack)
     lease ends: close the fd (the memory goes with the last descriptor or mapping)
 
+A producer hosting nixl stages leases into regions of its staging arena instead, one memfd
+for all of them (``transfer.staging_arena``). It offers such a lease at its ``offset`` in that
+file, with a ``pin`` that keeps the region from reuse, and only to a consumer that says it
+confirms (``PullBlocks.confirms_shared``): after reading, the consumer sends ``ConfirmRead``
+and trusts what it read only if the producer vouches the lease was live throughout, as for a
+direct READ (``transfer.direct_exports``). A region's memory outlives its lease, so the
+closed-descriptor check above cannot tell a stale read there; the pin and the confirmation do.
+
 One kernel copy per byte, where a ZeroMQ pull makes three memory passes (the send, the
 receive into ZeroMQ's buffer, the write into the cache). Anything that keeps the consumer
 from reading the copy (another PID namespace, no permission, the lease ended and its
@@ -81,7 +89,7 @@ def read_shared_copy(ref: SharedCopyRef, cache: PagedKVCache, local_block_ids: l
         total = 0
         for layer in range(cache.spec.num_layers):
             for offset, rows in cache.rows_of_runs(layer, local_block_ids, positions, ref.num_blocks):
-                total += read_fully(fd, rows, layer * layer_bytes + offset)
+                total += read_fully(fd, rows, ref.offset + layer * layer_bytes + offset)
         return total
     finally:
         os.close(fd)

@@ -15,8 +15,11 @@ A lease's region goes back to the arena only once nothing can still read it::
 
 A hold is anything with a ``done`` property; ``collect`` frees ENDED regions whose holds
 are all done, and is called by ``allocate`` and by the block server's loop. Regions start
-on page boundaries. The memory is an anonymous mapping: pages cost nothing until staged
-into, and once staged into they are reused without faulting again.
+on page boundaries. The memory is one anonymous file (a memfd, ``transfer.memfd``), so that
+consumers on this host without NIXL read a lease's region through ``/proc`` as a shared copy
+(``Region.shared_ref``), held by a pin as a direct READ is; where memfds are not supported, an
+anonymous mapping. Either way pages cost nothing until staged into, and once staged into
+they are reused without faulting again.
 
 Thread-safe: the engine's thread allocates, the block server's thread (where leases end)
 closes and collects.
@@ -30,7 +33,12 @@ import os
 import threading
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import torch
+
+from foundation.wire import SharedCopyRef
+from transfer.shared_copies import SUPPORTED as SHARED_COPIES_SUPPORTED
+from transfer.shared_copies import SharedCopy
 
 if TYPE_CHECKING:
     from transfer.kv_layout import PagedKVCache
@@ -63,18 +71,35 @@ class Region:
         """The lease ended: the region is freed once its holds are done. Idempotent."""
         self.arena.end(self)
 
+    def shared_ref(self, num_blocks: int, pin: int) -> SharedCopyRef | None:
+        """The region as a shared copy of ``num_blocks`` blocks whose read ``pin`` holds; None
+        where the arena is no file another process can open."""
+        ref = self.arena.file_ref(num_blocks)
+        return None if ref is None else msgspec.structs.replace(ref, offset=self.offset, pin=pin)
+
 
 class StagingArena:
     def __init__(self, nbytes: int):
         self.nbytes = _aligned(nbytes)
-        # MAP_PRIVATE | MAP_ANONYMOUS: no file behind it, zeroed pages only when first touched.
-        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Never closed: the arena lives as long as its process, and consumers open its file.
+        self._file = SharedCopy(self.nbytes) if SHARED_COPIES_SUPPORTED else None
+        self._mapping = (self._file.mapping if self._file is not None
+                         else mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         self.lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, bytes), by offset, never adjacent
         self._ended: list[Region] = []
         self.free_bytes = self.nbytes
+
+    @property
+    def shared(self) -> bool:
+        """Whether a consumer on this host can open the arena's memory (it is a memfd)."""
+        return self._file is not None
+
+    def file_ref(self, num_blocks: int) -> SharedCopyRef | None:
+        """The arena's file, for a consumer on this host to open; None without one."""
+        return None if self._file is None else self._file.ref(num_blocks)
 
     def allocate(self, nbytes: int) -> Region | None:
         """A region of at least ``nbytes``; None when no free run is that large (first fit)."""

@@ -17,7 +17,7 @@ import torch
 from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
 from foundation.netutil import free_port, tcp
 from foundation.wire import PullSource
-from tests.contract.transfer_endpoint import Producer, assert_pulled, stage_arena_lease
+from tests.contract.transfer_endpoint import Producer, assert_pulled, consumer_connector, run_loads, stage_arena_lease
 from tests.paged_caches import BLOCK_SIZE, CONSUMER_BLOCKS, LAYOUTS, PRODUCER_BLOCKS, block_bytes, make_cache
 from transfer.block_client import pull_blocks
 from transfer.connector_worker import ConnectorWorker
@@ -209,24 +209,13 @@ def test_a_killed_producer_fails_the_pull_by_its_deadline(context, reader_of):
 
 
 def test_the_connector_reads_directly_with_a_nixl_link_and_scatters_nothing():
-    settings = ConnectorSettings(transfer_address="tcp://127.0.0.1:0", idle_spin_seconds=-1.0,
-                                 pull_timeout_seconds=5.0, transfer_link="nixl")
-    worker = ConnectorWorker(settings, CONSUMER_BLOCKS, BLOCK_SIZE)
-    cache = make_cache(torch.bfloat16, "block-dim-0", CONSUMER_BLOCKS, seed=None)
-    worker.register({f"model.layers.{index}.attn": layer for index, layer in enumerate(cache.layers)})
+    worker, cache = consumer_connector("nixl")
     try:
         with Producer(torch.bfloat16, "block-dim-0").serving() as producer:
             _, staged = stage_arena_lease(producer, (3, 7, 1))
             _, in_place = producer.lease((2, 4))  # not staged: the producer sends frames
-            worker.start(KVRouteConnectorMetadata(loads=[LoadSpec("staged", staged, (0, 1, 2), (8, 0, 5)),
-                                                         LoadSpec("in-place", in_place, (0, 1), (1, 2))]))
-            finished, failed = set(), set()
-            give_up_at = time.monotonic() + 10
-            while len(finished) < 2 and time.monotonic() < give_up_at:
-                _, done, bad = worker.take_results()
-                finished |= done
-                failed |= bad
-                time.sleep(0.01)
+            finished, failed = run_loads(worker, [LoadSpec("staged", staged, (0, 1, 2), (8, 0, 5)),
+                                                  LoadSpec("in-place", in_place, (0, 1), (1, 2))])
             assert finished == {"staged", "in-place"} and not failed
             assert_pulled(producer, cache, (3, 7, 1, 2, 4), (8, 0, 5, 1, 2))
             counters = worker.counters.snapshot()
@@ -236,7 +225,7 @@ def test_the_connector_reads_directly_with_a_nixl_link_and_scatters_nothing():
         worker.shutdown()
 
 
-@pytest.mark.parametrize("link", ["nixl", "endpoint"])
+@pytest.mark.parametrize("link", ["nixl", "auto", "endpoint"])
 def test_a_producer_connector_stages_into_the_arena_only_when_it_hosts_nixl(context, reader_of, link):
     address = tcp("127.0.0.1", free_port())
     settings = ConnectorSettings(transfer_address=address, transfer_bind=address, idle_spin_seconds=-1.0,
@@ -249,11 +238,12 @@ def test_a_producer_connector_stages_into_the_arena_only_when_it_hosts_nixl(cont
     try:
         worker.start(KVRouteConnectorMetadata(grants=[LeaseGrant("request", "handle", (6, 2, 9), 3 * BLOCK_SIZE)]))
         lease = worker.leases.get("handle")
-        assert lease.staged is not None and (lease.region is not None) == (link == "nixl")
+        hosts_nixl = link in ("nixl", "auto")  # auto hosts nixl to measure it
+        assert lease.staged is not None and (lease.region is not None) == hosts_nixl
         for layer in producer_cache.layers:
             layer.zero_()  # the engine reuses the freed blocks: the lease must not care
         source = PullSource(handle="handle", address=address, num_tokens=3 * BLOCK_SIZE, block_size=BLOCK_SIZE)
-        direct_pull(context, reader_of(consumer), source, [0, 1, 2], [0, 4, 3], expect_direct=link == "nixl")
+        direct_pull(context, reader_of(consumer), source, [0, 1, 2], [0, 4, 3], expect_direct=hosts_nixl)
         for layer in range(len(consumer.layers)):
             for remote, local in ((6, 0), (2, 4), (9, 3)):
                 assert torch.equal(block_bytes(consumer, layer, local), block_bytes(expected, layer, remote))

@@ -1,6 +1,9 @@
 """Staged lease copies in shared memory (transfer.shared_copies) pulled through a real
 transfer endpoint: a consumer on this host reads the copy it is offered, in this process or
-another, falls back to frames where it cannot, and never reads a copy whose lease ended."""
+another, falls back to frames where it cannot, and never reads a copy whose lease ended.
+A lease in the staging arena (a producer hosting nixl) is offered the same way, pinned, to a
+consumer that confirms its read; the region is not reused while pinned, a read that outlived
+its lease fails, and a consumer that does not confirm gets frames."""
 
 from __future__ import annotations
 
@@ -9,13 +12,14 @@ import time
 import pytest
 import torch
 
-from foundation.endpoint_client import PullFailed, fetch_transfer_stats, release_lease
-from tests.contract.transfer_endpoint import Producer, stage_shared_lease
+from foundation import wire
+from foundation.endpoint_client import PullFailed, exchange, fetch_transfer_stats, release_lease
+from tests.contract.transfer_endpoint import Producer, stage_arena_lease, stage_shared_lease
 from tests.paged_caches import CONSUMER_BLOCKS, DTYPES, LAYOUTS, NUM_LAYERS, block_bytes, make_cache
 from transfer import block_client
 from transfer.block_client import pull_blocks
 from transfer.kv_layout import block_index_tensor
-from transfer.shared_copies import SharedCopyUnavailable, read_shared_copy
+from transfer.shared_copies import SharedCopyUnavailable, local_host, read_shared_copy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,6 +117,48 @@ def test_a_lease_that_ends_between_offer_and_read_fails_the_pull(producer, consu
         pull(context, consumer, source, [0, 1], [0, 1], late)
 
 
+def test_a_lease_in_the_arena_is_read_as_a_shared_copy_and_confirmed(producer, consumer, context):
+    lease_blocks, positions, local_ids = (3, 7, 1, 10), [1, 2, 3], [4, 0, 8]
+    stage_arena_lease(producer, (0, 2))  # the lease below lies past the start of the arena's file
+    lease, source = stage_arena_lease(producer, lease_blocks)
+    calls = []
+    nbytes = pull(context, consumer, source, positions, local_ids, reader(consumer, local_ids, positions, calls))
+    assert nbytes == len(positions) * consumer.spec.bytes_per_block
+    [ref] = calls
+    assert ref.offset == lease.region.offset > 0 and ref.pin > 0
+    assert_blocks(producer, consumer, lease_blocks, positions, local_ids)
+    assert fetch_transfer_stats(context, producer.address).counters.shared_pulls == 1
+    assert not producer.server.direct.pinned  # the confirmation let the pin go
+    assert release_lease(context, producer.address, lease.handle, "ack")
+
+
+def test_a_pinned_arena_lease_is_not_reused_and_a_read_past_its_lease_fails(producer, consumer, context):
+    """The consumer then recomputes: what it read may be another lease's, and it is never trusted."""
+    lease, source = stage_arena_lease(producer, (1, 2))
+    others = []
+
+    def late(ref):
+        producer.leases.release(lease.handle)  # the lease ends while its read is pinned
+        others.append(stage_arena_lease(producer, (3, 4))[0].region)
+        return read_shared_copy(ref, consumer, [0, 1], [0, 1])
+    with pytest.raises(PullFailed, match="did not confirm"):
+        pull(context, consumer, source, [0, 1], [0, 1], late)
+    assert others[0].offset != lease.region.offset, "a pinned region was handed to another lease"
+    assert_blocks(producer, consumer, (1, 2), [0, 1], [0, 1])  # the read still saw the old lease
+
+
+def test_a_consumer_that_does_not_confirm_gets_an_arena_lease_as_frames(producer, consumer, context):
+    """One from before shared reads were confirmed: it would read from the file's start."""
+    _, source = stage_arena_lease(producer, (1, 2))
+    request = wire.PullBlocks(handle=source.handle, block_indices=[0, 1], layout=consumer.spec, host=local_host())
+    with exchange(context, producer.address, time.monotonic() + 5, None) as channel:
+        channel.send(request)
+        header = channel.receive_message()
+        frames = [channel.receive_frame() for _ in range(header.num_layers)]
+    assert header.ok and header.shared_copy is None and len(frames) == NUM_LAYERS
+    assert fetch_transfer_stats(context, producer.address).counters.shared_pulls == 0
+
+
 def _pull_in_child(source, layout_name, dtype_name, positions, local_ids, queue):
     """A consumer in a process of its own, as a decode worker's is."""
     import zmq as child_zmq
@@ -129,11 +175,12 @@ def _pull_in_child(source, layout_name, dtype_name, positions, local_ids, queue)
         context.destroy(linger=0)
 
 
-def test_a_consumer_in_another_process_reads_the_copy(context):
+@pytest.mark.parametrize("stage", [stage_shared_lease, stage_arena_lease], ids=["memfd", "arena"])
+def test_a_consumer_in_another_process_reads_the_copy(context, stage):
     import multiprocessing
     with Producer(torch.bfloat16, "block-dim-1").serving() as producer:
         lease_blocks, positions, local_ids = (3, 7, 1, 10, 5), [0, 1, 2, 3, 4], [9, 0, 4, 6, 2]
-        lease, source = stage_shared_lease(producer, lease_blocks)
+        lease, source = stage(producer, lease_blocks)
         spawn = multiprocessing.get_context("spawn")
         queue = spawn.Queue()
         child = spawn.Process(target=_pull_in_child,

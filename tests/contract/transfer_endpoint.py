@@ -24,9 +24,12 @@ from tests.paged_caches import (
 )
 from transfer.block_client import pull_blocks
 from transfer.block_server import BlockServer
+from transfer.connector_worker import ConnectorWorker
 from transfer.counters import Counters
 from transfer.kv_layout import PagedKVCache, block_index_tensor
 from transfer.leases import Lease, LeaseTable
+from transfer.metadata import KVRouteConnectorMetadata, LoadSpec
+from transfer.settings import ConnectorSettings
 from transfer.shared_copies import stage_shared
 from transfer.staging_arena import stage_in_arena, staging_arena
 from transfer.transports.settings import TransportSettings
@@ -136,3 +139,28 @@ def lying(**fields) -> type[BlockServer]:
             return msgspec.structs.replace(super()._accepted(request, shared_copy, direct), **fields)
 
     return LyingServer
+
+
+def consumer_connector(transfer_link: str) -> tuple[ConnectorWorker, PagedKVCache]:
+    """A decode worker's connector (its worker half) with ``transfer_link``, over a zeroed cache
+    it registered as vLLM registers one; the caller shuts it down."""
+    settings = ConnectorSettings(transfer_address="tcp://127.0.0.1:0", idle_spin_seconds=-1.0,
+                                 pull_timeout_seconds=5.0, transfer_link=transfer_link)
+    worker = ConnectorWorker(settings, CONSUMER_BLOCKS, BLOCK_SIZE)
+    cache = make_cache(torch.bfloat16, "block-dim-0", CONSUMER_BLOCKS, seed=None)
+    worker.register({f"model.layers.{index}.attn": layer for index, layer in enumerate(cache.layers)})
+    return worker, cache
+
+
+def run_loads(worker: ConnectorWorker, loads: list[LoadSpec], seconds: float = 10.0) -> tuple[set[str], set[str]]:
+    """Start ``loads`` as vLLM's step would and wait until each reported: (finished, failed)."""
+    worker.start(KVRouteConnectorMetadata(loads=loads))
+    finished: set[str] = set()
+    failed: set[str] = set()
+    give_up_at = time.monotonic() + seconds
+    while len(finished) < len(loads) and time.monotonic() < give_up_at:
+        _, done, bad = worker.take_results()
+        finished |= done
+        failed |= bad
+        time.sleep(0.01)
+    return finished, failed

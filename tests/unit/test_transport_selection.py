@@ -12,7 +12,7 @@ from transfer.transports.handshake import RECEIVER, SENDER
 from transfer.transports.header import TransferHeader
 from transfer.transports.links import LinkTable
 from transfer.transports.packing import message_groups
-from transfer.transports.selection import choose_backend, hosted_backends
+from transfer.transports.selection import choose_backend, fastest_candidate, hosted_backends, measured_candidates
 from transfer.transports.settings import TransportSettings
 
 LAYOUT = KVLayoutSpec(dtype="bfloat16", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
@@ -21,10 +21,11 @@ CPU_BACKENDS = ["fake", "zmq-tcp", "zmq-ipc", "gloo"]
 CUDA_BACKENDS = ["fake", "nccl"]
 
 
-def hello(role=SENDER, device="cpu", host="a", requested="auto", backends=None) -> LinkHello:
+def hello(role=SENDER, device="cpu", host="a", requested="auto", backends=None, kv_encrypted=True) -> LinkHello:
     if backends is None:
         backends = CUDA_BACKENDS if device == "cuda" else CPU_BACKENDS
-    return LinkHello(role=role, layout=LAYOUT, device=device, host_id=host, backends=backends, requested=requested)
+    return LinkHello(role=role, layout=LAYOUT, device=device, host_id=host, backends=backends, requested=requested,
+                     kv_encrypted=kv_encrypted)
 
 
 @pytest.mark.parametrize("local, remote, chosen", [
@@ -53,11 +54,51 @@ def test_refused_choices_say_why(local, remote, reason):
         choose_backend(local, remote)
 
 
-def test_nixl_runs_only_when_forced():
+def test_nixl_is_never_assumed_faster_only_measured():
     both_take_it = [*CPU_BACKENDS, "nixl"]
     assert choose_backend(hello(backends=both_take_it), hello(RECEIVER, backends=both_take_it)) == "zmq-ipc"
     forced = hello(backends=both_take_it, requested="nixl")
     assert choose_backend(forced, hello(RECEIVER, backends=both_take_it)) == "nixl"
+
+
+NIXL_TOO = [*CPU_BACKENDS, "nixl"]
+
+
+@pytest.mark.parametrize("local, remote, candidates", [
+    (hello(backends=NIXL_TOO), hello(RECEIVER, backends=NIXL_TOO), ("zmq-ipc", "nixl")),
+    (hello(backends=NIXL_TOO, kv_encrypted=False), hello(RECEIVER, host="b", backends=NIXL_TOO, kv_encrypted=False),
+     ("zmq-tcp", "nixl")),
+    (hello(backends=NIXL_TOO), hello(RECEIVER, host="b", backends=NIXL_TOO), ()),  # would move KV in clear
+    (hello(backends=NIXL_TOO, kv_encrypted=False), hello(RECEIVER, host="b", backends=NIXL_TOO), ()),
+    (hello(device="cuda", backends=["nccl", "nixl"]), hello(RECEIVER, device="cuda", backends=["nccl", "nixl"]),
+     ("nccl", "nixl")),
+    (hello(backends=NIXL_TOO), hello(RECEIVER), ()),  # nixl on one end only: as without nixl
+    (hello(), hello(RECEIVER, backends=NIXL_TOO), ()),
+    (hello(), hello(RECEIVER), ()),
+    (hello(backends=NIXL_TOO, requested="zmq-ipc"), hello(RECEIVER, backends=NIXL_TOO), ()),  # forced: no probe
+    (hello(backends=NIXL_TOO), hello(RECEIVER, backends=NIXL_TOO, requested="nixl"), ()),
+], ids=["one-host", "two-hosts-in-clear", "two-hosts-encrypted", "two-hosts-one-encrypts", "cuda", "sender-only",
+        "receiver-only", "neither", "forced-zmq", "forced-nixl"])
+def test_auto_measures_the_automatic_choice_against_nixl_only_where_both_ends_run_it(local, remote, candidates):
+    assert measured_candidates(local, remote) == candidates
+    assert measured_candidates(remote, local) == candidates  # both ends probe the same candidates, in order
+
+
+@pytest.mark.parametrize("seconds, chosen", [
+    ([0.010, 0.004], "nixl"),
+    ([0.004, 0.010], "zmq-ipc"),
+    ([0.005, 0.005], "zmq-ipc"),  # a tie keeps the automatic choice
+    ([None, 0.050], "nixl"),  # the automatic choice could not be probed
+    ([0.050, None], "zmq-ipc"),  # nixl could not be set up: as without nixl
+    ([None, None], None),
+])
+def test_the_fastest_measured_candidate_wins(seconds, chosen):
+    assert fastest_candidate(("zmq-ipc", "nixl"), seconds) == chosen
+
+
+def test_measurements_must_match_the_candidates():
+    with pytest.raises(ValueError, match="1 measurements for 2 candidates"):
+        fastest_candidate(("zmq-ipc", "nixl"), [0.1])
 
 
 def test_forcing_nixl_without_nixl_cu12_says_what_to_install(monkeypatch):
@@ -141,11 +182,11 @@ def test_a_larger_message_limit_packs_more_frames_together():  # nixl's messages
 
 
 @pytest.mark.parametrize("settings, hosted", [
-    (TransportSettings(), ("nccl", "zmq-ipc", "zmq-tcp")),  # what auto may choose, never gloo or fake
+    (TransportSettings(), ("nccl", "zmq-ipc", "zmq-tcp", "nixl")),  # what auto may choose, never gloo or fake
     (TransportSettings(backend="gloo"), ("gloo", "zmq-ipc", "zmq-tcp")),
     (TransportSettings(backend="zmq-tcp"), ("zmq-tcp", "zmq-ipc")),
     (TransportSettings(backend="fake"), ("fake", "zmq-ipc", "zmq-tcp")),  # tests force it on both ends
-    (TransportSettings(backend="nixl"), ("nixl", "zmq-ipc", "zmq-tcp")),  # forced only: auto never hosts it
+    (TransportSettings(backend="nixl"), ("nixl", "zmq-ipc", "zmq-tcp")),
     (TransportSettings(hosted=("zmq-tcp",)), ("zmq-tcp",)),
 ])
 def test_a_sender_hosts_what_it_was_configured_for(settings, hosted):

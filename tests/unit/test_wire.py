@@ -164,9 +164,13 @@ PULL_BLOCKS_V3_HEX = (  # before ``direct`` was appended
     "86" + PULL_BLOCKS_V2_HEX[2:]
     + "a8636865636b73756d" "c2"  # checksum: false
 )
-PULL_BLOCKS_HEX = (
+PULL_BLOCKS_V4_HEX = (  # before ``confirms_shared`` was appended
     "87" + PULL_BLOCKS_V3_HEX[2:]
     + "a6646972656374" "c2"  # direct: false
+)
+PULL_BLOCKS_HEX = (
+    "88" + PULL_BLOCKS_V4_HEX[2:]
+    + "af636f6e6669726d735f736861726564" "c2"  # confirms_shared: false
 )
 
 PULL_HEADER_SHARED = wire.PullHeader(
@@ -194,6 +198,16 @@ PULL_HEADER_SHARED_HEX = (
     "a6646972656374" "c0"  # direct: nil
 )
 
+PULL_HEADER_SHARED_ARENA = wire.PullHeader(
+    ok=True, num_blocks=2, num_layers=30,
+    shared_copy=wire.SharedCopyRef(pid=77, fd=9, name="kvroute-lease-ab", num_blocks=5, offset=8192, pin=3))
+PULL_HEADER_SHARED_ARENA_HEX = PULL_HEADER_SHARED_HEX.replace(
+    "ab7368617265645f636f7079" "84", "ab7368617265645f636f7079" "86").replace(  # shared_copy: map of 6
+    "aa6e756d5f626c6f636b73" "05",
+    "aa6e756d5f626c6f636b73" "05"  # num_blocks: 5
+    "a66f6666736574" "cd2000"  # offset: 8192 (only where not 0)
+    "a370696e" "03")  # pin: 3 (only where not 0)
+
 ERROR_REPLY = wire.ErrorReply(request_id=None, code="bad_request", message="nope")
 ERROR_REPLY_HEX = (
     "84"
@@ -207,7 +221,7 @@ LINK_HELLO = wire.LinkHello(
     role="sender", device="cpu", host_id="h/b", backends=["zmq-tcp", "gloo"],
     layout=wire.KVLayoutSpec(dtype="float32", num_layers=30, block_dim=0, block_shape=[2, 3, 128, 64],
                              block_size=128, bytes_per_block=5_898_240))
-LINK_HELLO_HEX = (
+LINK_HELLO_V1_HEX = (  # before ``kv_encrypted`` was appended
     "87"
     "a474797065" "aa6c696e6b5f68656c6c6f"  # type: "link_hello"
     "a4726f6c65" "a673656e646572"  # role: "sender"
@@ -223,6 +237,10 @@ LINK_HELLO_HEX = (
     "a86261636b656e6473" "92" "a77a6d712d746370" "a4676c6f6f"  # backends: ["zmq-tcp", "gloo"]
     "a9726571756573746564" "a46175746f"  # requested: "auto"
 )
+LINK_HELLO_HEX = (
+    "88" + LINK_HELLO_V1_HEX[2:]
+    + "ac6b765f656e63727970746564" "c3"  # kv_encrypted: true
+)
 
 LINK_SETUP = wire.LinkSetup(backend="zmq-tcp", address="tcp://127.0.0.1:5000")
 LINK_SETUP_HEX = (
@@ -230,6 +248,20 @@ LINK_SETUP_HEX = (
     "a474797065" "aa6c696e6b5f7365747570"  # type: "link_setup"
     "a76261636b656e64" "a77a6d712d746370"  # backend: "zmq-tcp"
     "a761646472657373" "b47463703a2f2f3132372e302e302e313a35303030"  # address
+    "a56572726f72" "a0"  # error: ""
+)
+
+LINK_CHOICE = wire.LinkChoice(measurement=wire.LinkMeasurement(
+    chosen="nixl", candidates=["zmq-ipc", "nixl"], seconds=[0.5, None], probe_bytes=4, set_up_seconds=0.25))
+LINK_CHOICE_HEX = (
+    "83"
+    "a474797065" "ab6c696e6b5f63686f696365"  # type: "link_choice"
+    "ab6d6561737572656d656e74" "85"  # measurement: map of 5
+    "a663686f73656e" "a46e69786c"  # chosen: "nixl"
+    "aa63616e64696461746573" "92" "a77a6d712d697063" "a46e69786c"  # candidates: ["zmq-ipc", "nixl"]
+    "a77365636f6e6473" "92" "cb3fe0000000000000" "c0"  # seconds: [0.5, nil]
+    "ab70726f62655f6279746573" "04"  # probe_bytes: 4
+    "ae7365745f75705f7365636f6e6473" "cb3fd0000000000000"  # set_up_seconds: 0.25
     "a56572726f72" "a0"  # error: ""
 )
 
@@ -288,9 +320,11 @@ GOLDEN = [
     pytest.param(HEARTBEAT, HEARTBEAT_HEX, id="Heartbeat"),
     pytest.param(PULL_BLOCKS, PULL_BLOCKS_HEX, id="PullBlocks"),
     pytest.param(PULL_HEADER_SHARED, PULL_HEADER_SHARED_HEX, id="PullHeader-shared-copy"),
+    pytest.param(PULL_HEADER_SHARED_ARENA, PULL_HEADER_SHARED_ARENA_HEX, id="PullHeader-shared-copy-in-arena"),
     pytest.param(ERROR_REPLY, ERROR_REPLY_HEX, id="ErrorReply"),
     pytest.param(LINK_HELLO, LINK_HELLO_HEX, id="LinkHello"),
     pytest.param(LINK_SETUP, LINK_SETUP_HEX, id="LinkSetup"),
+    pytest.param(LINK_CHOICE, LINK_CHOICE_HEX, id="LinkChoice"),
     pytest.param(OPEN_LINK, OPEN_LINK_HEX, id="OpenLink"),
     pytest.param(PULL_OVER_LINK, PULL_OVER_LINK_HEX, id="PullOverLink"),
     pytest.param(TIER_PUT, TIER_PUT_HEX, id="TierPut"),
@@ -318,13 +352,15 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                                               (HEARTBEAT_V6_HEX, HEARTBEAT), (HEARTBEAT_V7_HEX, HEARTBEAT),
                                               (HEARTBEAT_V8_HEX, HEARTBEAT), (GENERATE_CHUNK_V3_HEX, GENERATE_CHUNK),
                                               (PULL_BLOCKS_V1_HEX, PULL_BLOCKS), (PULL_BLOCKS_V2_HEX, PULL_BLOCKS),
+                                              (PULL_BLOCKS_V4_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
-                                              (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK)],
+                                              (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK),
+                                              (LINK_HELLO_V1_HEX, LINK_HELLO)],
                          ids=["GenerateRequest-v1", "GenerateChunk-v1", "GenerateChunk-v2", "Heartbeat-v1",
                               "Heartbeat-v2", "Heartbeat-v3",
                               "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "Heartbeat-v8",
                               "GenerateChunk-v3", "PullBlocks-v1",
-                              "PullBlocks-v2", "PullHeader-v1", "PullOverLink-v1"])
+                              "PullBlocks-v2", "PullBlocks-v4", "PullHeader-v1", "PullOverLink-v1", "LinkHello-v1"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 

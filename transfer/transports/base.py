@@ -50,6 +50,9 @@ LayerSink = Callable[[int, torch.Tensor], None]
 
 class _LinkEnd(ABC):
     backend: str  # the backend's name, e.g. "zmq-tcp"
+    # How "auto" chose this backend when it measured the candidates (``probing``): a
+    # foundation.wire.LinkMeasurement, set on both ends; None when nothing was measured.
+    measurement = None
 
     def __init__(self, options: LinkOptions):
         self.options = options

@@ -13,8 +13,9 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class TransportSettings:
-    # "auto" (CUDA tensors -> nccl, both ends on one host -> zmq-ipc, else zmq-tcp) or a
-    # backend name forcing it; both ends must then agree. Shaped-link benchmarks force
+    # "auto" (CUDA tensors -> nccl, both ends on one host -> zmq-ipc, else zmq-tcp; where both
+    # ends run nixl, that choice and nixl are measured at set-up: ``probing``) or a backend
+    # name forcing it; both ends must then agree. Shaped-link benchmarks force
     # zmq-tcp: ipc sockets live in the file system and bypass network namespaces.
     backend: str = AUTO
     # The address this end binds and advertises for zmq-tcp and torch.distributed.

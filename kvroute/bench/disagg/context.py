@@ -74,8 +74,12 @@ class QuietGate:
 
 
 class Context:
-    def __init__(self, args, prompts, prefill_worker, decode_worker, prefill, decode, sampling):
-        self.gate = QuietGate(args.wait_quiet)
+    """One prefill/decode worker pair and what a phase needs to measure it; ``gate``: the quiet
+    gate, shared by every pair of a run (default: one of its own)."""
+
+    def __init__(self, args, prompts, prefill_worker, decode_worker, prefill, decode, sampling,
+                 gate: QuietGate | None = None):
+        self.gate = gate or QuietGate(args.wait_quiet)
         self.args, self.prompts = args, prompts
         self.prefill_worker, self.decode_worker = prefill_worker, decode_worker
         self.prefill, self.decode, self.sampling = prefill, decode, sampling

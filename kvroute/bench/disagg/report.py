@@ -28,6 +28,20 @@ def verdict(transfer: dict) -> dict:
 
 
 def print_tables(results: dict) -> None:
+    """A table for each phase that ran, then the verdict where the transfer phase ran."""
+    for phase, print_phase in (("ttft", _print_ttft), ("transfer", _print_transfer), ("end_to_end", _print_end_to_end),
+                               ("paths", _print_paths)):
+        if phase in results:
+            print_phase(results)
+    foreign = results.get("foreign_cpu_cores", {})
+    if any(value > 0.1 for value in foreign.values()):
+        console.print("[yellow]Other processes loaded this machine during the run (cores used, by phase): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in foreign.items()))
+    if "verdict" in results:
+        _print_verdict(results["verdict"])
+
+
+def _print_ttft(results: dict) -> None:
     table = Table(title="TTFT (medians, seconds)")
     for column in ("prompt tokens", "single TTFT", "disagg TTFT", "disagg/single",
                    "hand-off gap (1st→2nd)", "decode ITL (single)", "decode ITL (disagg)", "other procs (cores)"):
@@ -42,6 +56,8 @@ def print_tables(results: dict) -> None:
                       fmt(entry["foreign_cpu_cores"]["median"], ".2f"))
     console.print(table)
 
+
+def _print_transfer(results: dict) -> None:
     table = Table(title="Block transfer (median of runs; GB/s = 1e9 bytes/s)")
     names = ("connector_shared", "connector_scatter", "connector_noop", "raw", "raw_fresh_socket", "raw_scatter",
              "raw_during_lease")
@@ -60,6 +76,8 @@ def print_tables(results: dict) -> None:
                       f"{entry['foreign_cpu_cores_raw_phase']:.2f} / {entry['foreign_cpu_cores_lease_phase']:.2f}")
     console.print(table)
 
+
+def _print_end_to_end(results: dict) -> None:
     table = Table(title="End-to-end hand-off (generate_disaggregated, medians)")
     for column in ("size", "prompt tokens", "bytes received", "hand-off gap", "decode ITL",
                    "bytes / gap", "bytes / (gap − ITL)", "all pulled", "other procs (cores)"):
@@ -74,11 +92,29 @@ def print_tables(results: dict) -> None:
                       "yes" if entry["all_pulled"] else "[red]no",
                       fmt(entry["foreign_cpu_cores"]["median"], ".2f"))
     console.print(table)
-    foreign = results.get("foreign_cpu_cores", {})
-    if any(value > 0.1 for value in foreign.values()):
-        console.print("[yellow]Other processes loaded this machine during the run (cores used, by phase): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in foreign.items()))
-    v = results["verdict"]
+
+
+def _print_paths(results: dict) -> None:
+    paths = results["paths"]
+    baseline = paths["baseline"]
+    table = Table(title=f"Paths side by side (medians; ratio: path / {baseline})")
+    for column in ("prompt tokens", "path", "TTFT", "hand-off gap", "TTFT + gap", f"TTFT + gap / {baseline}",
+                   "consumer pull", "all pulled"):
+        table.add_column(column, justify="right")
+    for length, per_path in paths["lengths"].items():
+        for path, entry in per_path.items():
+            table.add_row(f"~{length}", path, fmt(entry["ttft_s"]["median"]), fmt(entry["handoff_gap_s"]["median"]),
+                          fmt(entry["ttft_plus_gap_s"]["median"]),
+                          fmt(entry["ratio_vs_baseline"]["ttft_plus_gap_s"], ".2f", suffix="x"),
+                          fmt(entry["decode_pull_seconds"]["median"], ".4f"),
+                          "yes" if entry["all_pulled"] else "[red]no")
+    table.caption = "pulls by path: " + "; ".join(
+        f"{path}: " + ", ".join(f"{name} {value}" for name, value in counters.items() if name != "link_measurements")
+        for path, counters in paths["decode_counters"].items())
+    console.print(table)
+
+
+def _print_verdict(v: dict) -> None:
     for path, outcome in v["paths"].items():
         console.print(f"Target connector ({path}) ≥ {v['target_ratio']}x raw pyzmq for transfers ≥ 8 MB: "
                       + ("[green]MET" if outcome["met"] else "[red]NOT MET") + " ("
