@@ -139,6 +139,9 @@ async def test_an_evicted_prefix_loads_back_from_host_memory_and_not_for_another
     assert last.num_tier_tokens == 0
     await stored_blocks(store, full_blocks(prompt))
     await fill_engine_cache(client, tokenizer, "host")
+    # The store serves one message at a time: a lookup queued behind the fillers' write-throughs
+    # on a loaded machine misses its 0.5 s and is computed instead, which this test is not about.
+    await writes_done(client)
     # As the orchestrator runs a LOCAL plan: what it records becomes the response's usage.
     record = HandoffRecord(request_id="host-2")
     await collect(generate_local(client, record, prompt, GREEDY_16, "tenant-a"))

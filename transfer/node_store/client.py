@@ -8,6 +8,7 @@ recompute of what the store would have given them. Torch-free.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from foundation.endpoint_client import ChannelPool, PullFailed
 LOOKUP_TIMEOUT_SECONDS = 0.05  # on the engine's scheduler thread: each new request may wait this long
 TIMEOUT_SECONDS = 5.0  # puts and gets, on the connector's own threads
 BACKOFF_SECONDS = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 class StoreUnavailable(RuntimeError):
@@ -114,4 +117,7 @@ class NodeStoreClient:
         except (PullFailed, wire.WireError) as error:
             with self._lock:
                 self._left_alone_until = self.clock() + self.backoff_seconds
+            # Says why the prompts of the next few seconds compute what the store may hold.
+            logger.warning("node store at %s missed a %s (%s); left alone for %.0f s",
+                           self.address, type(message).__name__, error, self.backoff_seconds)
             raise StoreUnavailable(f"the node store at {self.address} did not answer: {error}") from error
