@@ -165,7 +165,7 @@ def busy_intervals(rows: Iterable[dict]) -> list[Busy]:
     return intervals
 
 
-def _sharing(worker_id: str, cores: dict[str, tuple[int, ...]]) -> set[str]:
+def sharing(worker_id: str, cores: dict[str, tuple[int, ...]]) -> set[str]:
     """The workers whose work slows ``worker_id``: itself and those bound to one of its cores."""
     mine = set(cores.get(worker_id, ()))
     return {worker_id} | {other for other, theirs in cores.items() if mine & set(theirs)}
@@ -191,7 +191,7 @@ def isolated_prefills(rows: list[dict], cores: dict[str, tuple[int, ...]]) -> li
     samples = []
     for row in rows:
         sent, worker = row["sent_s"], row["prefilling_worker"]
-        if alone(intervals, _sharing(worker, cores), sent, sent + row["ttft_s"], row["index"]):
+        if alone(intervals, sharing(worker, cores), sent, sent + row["ttft_s"], row["index"]):
             cached = row["cached_tokens"] or 0
             samples.append((row["prompt_tokens"] - cached, cached, row["ttft_s"]))
     return samples
@@ -203,7 +203,7 @@ def decode_gaps(rows: list[dict], cores: dict[str, tuple[int, ...]]) -> list[tup
     samples = []
     for row in rows:
         worker, times = row["decode_worker"], [row["sent_s"] + t for t in row["chunk_times_s"]]
-        others = _sharing(worker, cores) - {worker}
+        others = sharing(worker, cores) - {worker}
         first_step = 0 if row["plan_kind"] == "local" else 1  # a DISAGG request's first gap is its hand-off
         for start, end in zip(times[first_step:], times[first_step + 1:]):
             if not (alone(intervals, others, start, end, -1)

@@ -19,6 +19,7 @@ MODULES = (
     "kvroute.bench.simulation.simulate",  # simulate
     "kvroute.bench.simulation.scale",  # simulate-scale
     "kvroute.bench.simulation.validate",  # validate-simulator
+    "kvroute.bench.simulation.fit_shapes",  # fit-shapes
     "kvroute.bench.shapes.cli",  # shapes
     "kvroute.bench.results_page.cli",  # results-page
     "kvroute.bench.gpu_check.cli",  # gpu-check
