@@ -39,7 +39,9 @@ class OrchestratorSettings:
                                          "asks for another (docs/api.md): the planner charges in full the stall "
                                          "a prefill would add past it to the streams decoding on its worker; "
                                          "0: no target")
-    max_in_flight_per_worker: int = setting(32, "hotspot cap: a worker with this many requests takes no more")
+    max_in_flight_per_worker: int = setting(PlannerSettings.max_in_flight,
+                                            "hotspot cap: a worker with this many requests takes no more (vLLM's "
+                                            "default batch limit)")
     max_queued_prefill_tokens: int = setting(16384, "hotspot cap on a worker's queued prompt tokens")
     heartbeat_timeout_seconds: float = setting(10.0, "a worker silent for this long is marked down")
     tier_index_poll_seconds: float = setting(0.25, "how often the node KV stores' new blocks are read (through "

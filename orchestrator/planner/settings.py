@@ -25,8 +25,15 @@ class PlannerSettings:
     # at most 2k prefill x 2k decode pairs, so its cost stays flat as the fleet grows.
     top_k: int = 4
     # Hotspot caps: a warm cache must not attract every request. vLLM batches decodes,
-    # so a worker takes this many concurrent requests before the cap turns it away.
-    max_in_flight: int = 32
+    # so a worker takes this many concurrent requests before the cap turns it away: vLLM's
+    # own default batch limit (``max_num_seqs``, 256 on most GPUs), past which a request
+    # would wait inside the engine, where it can no longer be placed elsewhere. Below it the
+    # ranking prices the load (queue, shared steps, TPOT targets). A cap of 32 held long
+    # answers back at the orchestrator while the engines had room: on long outputs (256
+    # tokens) it cost 8 engines a quarter of their goodput in simulation (12.2 req/s against
+    # 16.5 at 256, the curves fitted to this machine), and one engine on two cores queued its
+    # 33rd-40th requests 3-8 s at 4 req/s.
+    max_in_flight: int = 256
     # ~16 cold 1k-token prompts (~6 s of prefill on CPU) queued is already past any TTFT target.
     max_queued_prefill_tokens: int = 16_384
     # Plans costing within this fraction of the cheapest one are ties, and the tie goes to the

@@ -119,3 +119,9 @@ def test_a_pull_is_recorded_with_its_source_and_lent_tokens():
     summary = plan_summary(chosen)
     assert (summary["kind"], summary["source_worker"], summary["lend_tokens"]) == ("pull", "u1", 40 * BLOCK)
     assert summary["prefill_worker"] is None and summary["decode_worker"] == "u0"
+
+
+def test_a_replica_decoding_a_batch_of_long_answers_still_takes_requests():
+    # 40 streams is a modest vLLM batch: the cap is vLLM's own batch limit, not a guess below it.
+    decision = decide([unified("u0", cached_blocks=57, num_running=40, in_flight=40)])
+    assert (decision.chosen.kind, decision.chosen.decode_worker) == (PlanKind.LOCAL, "u0")
