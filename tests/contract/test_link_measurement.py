@@ -35,7 +35,7 @@ from transfer.transports.settings import TransportSettings
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.skipif(bool(nixl_missing()), reason="nixl_cu12 is not installed: auto measures nothing")]
 
-SLOWER_SECONDS = 0.05  # per probe transfer: several times either backend's own time for a probe
+SLOWER_SECONDS = 0.1  # per probe transfer: several times either backend's own time for a probe, on a loaded machine too
 RECEIVERS = {"zmq-ipc": zmq_backend.ZmqReceiver, "nixl": nixl_backend.NixlReceiver}
 
 

@@ -12,6 +12,7 @@ import pytest
 from kvroute.bench.paths import DEFAULT_TRACE
 from kvroute.bench.peers import cli, plans, router_env, sources
 from kvroute.bench.peers.resources import Resources
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, PlannerSettings
 from workloads.trace import TraceRecord, TraceScaling, scale_trace
 
 RES = Resources(model="/models/smol", dtype="float32", total_kv_gib=0.75, max_model_len=4096, cores=(0, 1))
@@ -72,6 +73,9 @@ def test_kvroute_gets_its_topology_and_the_total_budget():
     assert (flag(argv, "--topology"), flag(argv, "--total-kv-gib"), flag(argv, "--host")) == ("2p1d", "0.75",
                                                                                               "127.0.0.1")
     assert argv[-2:] == ["--policy", "x"] and plan.kvroute_api and plan.reset == plans.RESET_KVROUTE
+    # What a later simulation of the run needs to plan as it did (kvroute bench fit-shapes).
+    assert plan.settings["planner_defaults"] == {"max_in_flight_per_worker": PlannerSettings().max_in_flight,
+                                                 "tpot_target_seconds": DEFAULT_TPOT_TARGET_SECONDS}
 
 
 def test_kvroute_tier_adds_a_node_store_of_a_multiple_of_the_budget():

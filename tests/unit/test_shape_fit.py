@@ -128,6 +128,18 @@ def test_the_cluster_is_the_one_kvroute_serve_starts(tmp_path):
     assert settings.prefill_engine.long_prefill_tokens == default_long_prefill_tokens("prefill")
     assert settings.decode_engine.long_prefill_tokens == default_long_prefill_tokens("decode")
     assert settings.tpot_target_seconds == pytest.approx(0.15)
+    assert settings.planner.max_in_flight == 32, "a run that recorded no planner defaults ran the old cap"
+
+
+def test_the_planner_settings_are_the_runs_own(tmp_path):
+    results = peers_results("1u", ["unified-a"])
+    results["systems"][0]["settings"] |= {"planner_defaults": {"max_in_flight_per_worker": 256,
+                                                               "tpot_target_seconds": 0.15},
+                                          "extra_args": ["--tpot-target-seconds", "0.3"]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    shape = read_runs([path])["1u"]
+    assert (shape.max_in_flight, shape.tpot_target_s) == (256, 0.3)
 
 
 def test_auto_resolves_to_the_topology_serve_picked(tmp_path):
@@ -160,7 +172,7 @@ def test_one_engine_on_one_core_takes_the_unified_steps_and_the_link_that_moved_
                                                         "link_latency_seconds": latency,
                                                         "link_bandwidth_bytes_per_second": 1e9}}}
 
-    shapes = {topology: ShapeRuns(topology, "bfloat16", 0.75, (0, 1), 0, 0.15, {}, {})
+    shapes = {topology: ShapeRuns(topology, "bfloat16", 0.75, (0, 1), 0, 0.15, 256, {}, {})
               for topology in ("1u", "2u", "1p1d")}
     reports = {"1u": report(0.01, 0, 0.001), "2u": report(0.02, 0, 0.001), "1p1d": report(0.03, 40, 0.004)}
     curves = per_core_curves(shapes, reports)

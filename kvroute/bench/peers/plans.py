@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvroute.bench.peers.resources import Resources
 from kvroute.topology import cpu_list, split_cores
+from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS, PlannerSettings
 
 KVROUTE, KVROUTE_TIER, VLLM, ROUTER_PD = "kvroute", "kvroute-tier", "vllm", "router-pd"
 ROUTER_POLICIES = ("cache_aware", "kv_aware")
@@ -93,7 +94,11 @@ def kvroute_plan(res: Resources, options: PeerOptions, port: Callable[[], int], 
     own = port()
     system = KVROUTE_TIER if tier else KVROUTE
     sizing = ["--topology", options.kvroute_topology, "--total-kv-gib", f"{res.total_kv_gib:g}"]
-    settings = {"topology": options.kvroute_topology, "total_kv_gib": res.total_kv_gib}
+    # The planner's defaults of this run, for a later simulation of it (``kvroute bench fit-shapes``):
+    # defaults change between versions, and --kvroute-args may not name them.
+    defaults = {"max_in_flight_per_worker": PlannerSettings.max_in_flight,
+                "tpot_target_seconds": DEFAULT_TPOT_TARGET_SECONDS}
+    settings = {"topology": options.kvroute_topology, "total_kv_gib": res.total_kv_gib, "planner_defaults": defaults}
     description = f"kvroute serve, topology {options.kvroute_topology}"
     if tier:
         host_kv_gib = options.tier_kv_multiple * res.total_kv_gib

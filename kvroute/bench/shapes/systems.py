@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from kvroute.bench.peers.sources import SourceSettings, generator_choice
 from kvroute.bench.replay_sources import WORKLOADS
 from kvroute.topology import parse_spec, spec_of
+from orchestrator.planner.settings import PlannerSettings
 from simulator import EngineConfig, SimCalibration, SimulationResult, SimulationSettings, simulate
 from simulator.peers import PrefixHashRouter, one_engine_machine
 from simulator.stopping import StopRule
@@ -39,6 +40,9 @@ from workloads import WorkloadRequest
 
 KVROUTE, PEER, REFERENCE = "kvroute", "peer", "reference"
 KVROUTE_POLICY = "cache_aware"
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default batch limit on most GPUs
+# What the peers' routers hold back: nothing, up to the engines' batch limit.
+ROUTER = PlannerSettings(max_in_flight=VLLM_MAX_NUM_SEQS)
 WORKLOAD = "long-output"
 
 # A run of requests; the stop rule may end it once its verdict is settled.
@@ -97,10 +101,14 @@ def kvroute_system(shape: str, calibration: SimCalibration, tpot_target: float) 
 def replicas(name: str, kind: str, engines: int, calibration: SimCalibration,
              router: Callable[[], object] | str) -> System:
     """``engines`` plain vLLM replicas (unified workers, no cap) behind ``router``: a policy
-    name, or a factory of a fresh policy object per run."""
+    name, or a factory of a fresh policy object per run. A router holds nothing back
+    (``ROUTER``): a replica takes requests up to its engine's batch limit, whatever
+    kvroute's own caps."""
+    settings = SimulationSettings(planner=ROUTER)
+
     def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         policy = router if isinstance(router, str) else router()
-        return simulate(requests, policy, 0, 0, calibration, num_unified=engines, stop=stop)
+        return simulate(requests, policy, 0, 0, calibration, settings=settings, num_unified=engines, stop=stop)
 
     return System(name, kind, f"{engines}u", run)
 
@@ -110,7 +118,7 @@ def one_engine(engines: int, calibration: SimCalibration) -> System:
 
     def run(requests: list[WorkloadRequest], stop: StopRule | None = None) -> SimulationResult:
         return simulate(requests, "round_robin", 0, 0, faster,
-                        settings=SimulationSettings(unified_engine=engine), num_unified=1, stop=stop)
+                        settings=SimulationSettings(unified_engine=engine, planner=ROUTER), num_unified=1, stop=stop)
 
     return System("one-engine", PEER, f"1u (x{engines})", run)
 

@@ -62,6 +62,7 @@ class ShapeRuns:
     cores: tuple[int, ...]
     seed: int
     tpot_target_s: float
+    max_in_flight: int  # the orchestrator's per-worker cap in the run
     sources: dict  # rate -> the run's workload source (generator, its options, requests, seed)
     rows: dict  # rate -> rows
     pulls: dict = field(default_factory=dict)  # rate -> (bytes, seconds) of the pulls its decision records timed
@@ -107,8 +108,9 @@ def read_runs(paths: list[Path]) -> dict[str, ShapeRuns]:
         if earlier is not None:
             sources, rows, pulls = {**earlier.sources, **sources}, {**earlier.rows, **rows}, {**earlier.pulls, **pulls}
         shapes[topology] = ShapeRuns(topology, resources["dtype"], resources["total_kv_gib"],
-                                     _cores(resources["cores"]), settings["seed"], _tpot_target(system), sources, rows,
-                                     pulls)
+                                     _cores(resources["cores"]), settings["seed"],
+                                     planner_value(system, "tpot_target_seconds"),
+                                     int(planner_value(system, "max_in_flight_per_worker")), sources, rows, pulls)
     return shapes
 
 
@@ -138,14 +140,18 @@ def _cores(cores: str) -> tuple[int, ...]:
     return bound_cores(cores)
 
 
-def _tpot_target(system: dict) -> float:
-    """The orchestrator's TPOT target in that run: its flag when given, else the default."""
-    from orchestrator.planner.settings import DEFAULT_TPOT_TARGET_SECONDS
+# What runs recorded before kvroute bench peers wrote the planner's defaults ran with.
+DEFAULTS_BEFORE_THEY_WERE_RECORDED = {"max_in_flight_per_worker": 32, "tpot_target_seconds": 0.15}
 
+
+def planner_value(system: dict, name: str) -> float:
+    """A planner setting of the run: its flag in --kvroute-args, else the defaults it recorded
+    (``DEFAULTS_BEFORE_THEY_WERE_RECORDED`` for a run that recorded none)."""
     args = system["settings"].get("extra_args", [])
-    if "--tpot-target-seconds" in args:
-        return float(args[args.index("--tpot-target-seconds") + 1])
-    return DEFAULT_TPOT_TARGET_SECONDS
+    flag = "--" + name.replace("_", "-")
+    if flag in args:
+        return float(args[args.index(flag) + 1])
+    return system["settings"].get("planner_defaults", DEFAULTS_BEFORE_THEY_WERE_RECORDED)[name]
 
 
 # ---------------------------------------------------------------- the cluster
@@ -155,6 +161,7 @@ def cluster(shape: ShapeRuns):
     """(pools, SimulationSettings, real worker id -> cores) as ``kvroute serve`` ran the shape."""
     from kvroute.bench.placement.cluster import kv_cache_tokens
     from kvroute.topology import parse_spec, plan_topology
+    from orchestrator.planner.settings import PlannerSettings
     from simulator import EngineConfig, SimulationSettings
     from simulator.cpu import CpuSettings
     from worker.block_size import CPU_BLOCK_SIZE
@@ -172,7 +179,8 @@ def cluster(shape: ShapeRuns):
     settings = SimulationSettings(prefill_engine=engines["prefill"], decode_engine=engines["decode"],
                                   unified_engine=engines["unified"], stats_at_step_end=True,
                                   cpu=CpuSettings(cores=max(shape.cores) + 1, core_sets=core_sets),
-                                  tpot_target_seconds=shape.tpot_target_s)
+                                  tpot_target_seconds=shape.tpot_target_s,
+                                  planner=PlannerSettings(max_in_flight=shape.max_in_flight))
     return counts, settings, worker_cores(shape, planned.engines)
 
 
