@@ -25,8 +25,7 @@ alone), long outputs keep their engines decoding, so almost no prefill runs alon
   (fewer than three on either side, or the dearer ones' token part under 1.5x the
   cheaper ones') the whole curve is scaled by the median ratio instead;
 * **step jitter**: the spread of the prompts' costs around the fitted curve (a robust
-  sigma of the logs of their ratios).
-
+  sigma of the logs of their ratios);
 * **link** (``link_*``): as ``from_replay``, through the pulls' (bytes, seconds) from the
   decision records, when the shape moved KV at all.
 
@@ -63,7 +62,7 @@ class PromptCost:
 class ShapeFit:
     calibration: SimCalibration
     prefill: PrefillCoefficients | None  # the fitted prefill curve; None: too few prompts, the start's kept
-    prompt_costs: int  # prefills the scale came from
+    prompt_costs: int  # prefills the curve came from
     decode_gaps: int  # token gaps the decode step came from
     pulls: int = 0  # KV pulls the link came from
 

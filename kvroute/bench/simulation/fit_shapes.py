@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -197,16 +197,16 @@ def worker_cores(shape: ShapeRuns, engines) -> dict[str, tuple[int, ...]]:
     return cores
 
 
-def rebuilt_requests(shape: ShapeRuns, rate: float):
-    """The run's requests at ``rate`` as token ids, and how many of its rows they do not match."""
+def rebuilt_requests(shape: ShapeRuns, rate: float, tokenizer):
+    """The run's requests at ``rate`` as token ids (templated by ``tokenizer``, the model's),
+    and how many of its rows they do not match."""
     from kvroute.bench.replay_sources import WORKLOADS, WorkloadChoice
     from simulator.requests import replay_requests
-    from workloads import load_tokenizer
 
     source = shape.sources[rate]
     choice = WorkloadChoice(requests=source["requests"], rate=source["rate"], seed=source["seed"],
                             options=tuple(source["options"]))
-    requests = replay_requests(WORKLOADS[source["generator"]](choice), load_tokenizer())
+    requests = replay_requests(WORKLOADS[source["generator"]](choice), tokenizer)
     by_index = {request.index: request for request in requests}
     mismatched = sum(1 for row in shape.rows[rate]
                      if row["index"] not in by_index or by_index[row["index"]].prompt_tokens != row["prompt_tokens"]
@@ -246,7 +246,7 @@ def compare(real: dict[str, float], simulated: dict[str, float], band: float) ->
             "within_band": {metric: bool(abs(ratio - 1) <= band) for metric, ratio in ratios.items()}}
 
 
-def validate_shape(shape: ShapeRuns, band: float) -> dict:
+def validate_shape(shape: ShapeRuns, band: float, tokenizer) -> dict:
     """Fits (all rates, and each rate's held-out fit) and the comparison at every rate."""
     from simulator import simulate
     from simulator.shape_fit import fit_shape
@@ -255,7 +255,7 @@ def validate_shape(shape: ShapeRuns, band: float) -> dict:
     fitted = fit_shape(shape.rows.values(), cores, _pulls_but(shape, None))
     report = {"topology": shape.topology, "worker_cores": cores, "fit": _fit_dict(fitted), "rates": {}}
     for rate in sorted(shape.rows):
-        requests, mismatched = rebuilt_requests(shape, rate)
+        requests, mismatched = rebuilt_requests(shape, rate, tokenizer)
         held_out = fit_shape([rows for other, rows in shape.rows.items() if other != rate], cores,
                              _pulls_but(shape, rate))
         real = real_metrics(shape.rows[rate])
@@ -305,11 +305,14 @@ def print_shape(report: dict, band: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workloads import load_tokenizer
+
     shapes = read_runs(args.real)
+    tokenizer = load_tokenizer()
     args.output.mkdir(parents=True, exist_ok=True)
     reports = {}
     for topology, shape in shapes.items():
-        reports[topology] = validate_shape(shape, args.band)
+        reports[topology] = validate_shape(shape, args.band, tokenizer)
         (args.output / f"{topology}.json").write_text(json.dumps(reports[topology]["fit"]["calibration"], indent=1))
         print_shape(reports[topology], args.band)
     per_core = per_core_curves(shapes, reports)
@@ -319,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
               for entry in report["rates"].values() for metric in METRICS]
     summary = {"band": args.band, "real": [str(path) for path in args.real], "metrics": list(METRICS),
                "held_out_within_band": f"{sum(checks)} of {len(checks)}", "shapes": reports}
-    (args.output / "validation.json").write_text(json.dumps(summary, indent=1, default=_json_default))
+    (args.output / "validation.json").write_text(json.dumps(summary, indent=1))
     console.print(f"held-out fits: {sum(checks)} of {len(checks)} metrics within ±{args.band:.0%} of the real runs",
                   highlight=False)
     return 0
@@ -329,8 +332,12 @@ def per_core_curves(shapes: dict[str, ShapeRuns], reports: dict[str, dict]) -> d
     """One engine on one core (see the module docstring); None without such a topology."""
     from kvroute.topology import parse_spec
 
-    steps = next((reports[topology]["fit"]["calibration"] for topology, shape in shapes.items()
-                  if parse_spec(topology)["unified"] == sum(parse_spec(topology).values()) == len(shape.cores)), None)
+    def one_unified_engine_per_core(topology: str) -> bool:
+        counts = parse_spec(topology)
+        return counts["unified"] == sum(counts.values()) == len(shapes[topology].cores)
+
+    steps = next((reports[topology]["fit"]["calibration"] for topology in shapes
+                  if one_unified_engine_per_core(topology)), None)
     if steps is None:
         return None
     steps = {**steps, "step_jitter": 0.0}  # as the check ran them: the exact curves
@@ -340,12 +347,6 @@ def per_core_curves(shapes: dict[str, ShapeRuns], reports: dict[str, dict]) -> d
     link = moved["fit"]["calibration"]
     return {**steps, "link_latency_seconds": link["link_latency_seconds"],
             "link_bandwidth_bytes_per_second": link["link_bandwidth_bytes_per_second"]}
-
-
-def _json_default(value):
-    if isinstance(value, tuple):
-        return list(value)
-    return asdict(value)
 
 
 COMMAND = Command("fit-shapes", "the simulator fitted to kvroute's real long-output runs of each topology, and "
