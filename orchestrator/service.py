@@ -407,14 +407,15 @@ class CompletionService:
         first_from_prefill_worker = plan.kind is PlanKind.DISAGG
         self.streams.started(plan.decode_worker, job.request_id, job.tpot_target,
                              job.sampling.max_tokens - first_from_prefill_worker)
+        self.streams.prefill_dispatched(plan.prefilling_worker, job.request_id)
         first = True
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
                     if chunk.token_ids:
                         if first:
-                            handoff.prefill_stall = self.streams.prefilled(plan.prefilling_worker, dispatched_at,
-                                                                           handoff.first_token_at)
+                            handoff.prefill_stall = self.streams.prefilled(plan.prefilling_worker, job.request_id,
+                                                                           dispatched_at, handoff.first_token_at)
                         if not (first and first_from_prefill_worker):
                             self.streams.token(plan.decode_worker, job.request_id, len(chunk.token_ids),
                                                time.perf_counter())
@@ -422,6 +423,8 @@ class CompletionService:
                     yield chunk
         finally:
             self.streams.ended(plan.decode_worker, job.request_id)
+            if first:
+                self.streams.prefill_dropped(plan.prefilling_worker, job.request_id, time.perf_counter())
 
     def _client(self, worker_id: str):
         client = self.fleet.client(worker_id)

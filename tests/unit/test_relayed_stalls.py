@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from foundation import wire
 from orchestrator.decisions import DecisionRecord
-from orchestrator.decode_streams import DecodeStreams
+from orchestrator.decode_streams import DecodeStreams, Stall
 from orchestrator.disagg import HandoffRecord
 from orchestrator.metrics import Metrics
 from orchestrator.planner.views import Decision, DecodeStream, Estimate, Plan, PlanKind
@@ -71,7 +71,7 @@ async def test_a_local_prefill_records_the_stall_it_caused_beside_its_estimate(b
     metrics.observe_request(job, plan, handoff, record)
     text = generate_latest(metrics.registry).decode()
     assert 'kvroute_decode_stall_seconds_count{plan="local",policy="cache_aware"} 1.0' in text
-    assert busy_d0.prefilled("d0", dispatched_at=2.0, now=2.1).streams == 1  # the job's stream left with it
+    assert busy_d0.prefilled("d0", "later", dispatched_at=2.0, now=2.1).streams == 1  # the job's stream left with it
 
 
 
@@ -87,3 +87,24 @@ async def test_a_disagg_stream_joins_its_decode_worker_at_its_second_token(busy_
     assert seen[3] == [DecodeStream(0.05, decoded_tokens=2, decode_seconds=pytest.approx(0.04), tokens_left=0)]
     assert handoff.prefill_stall is None  # p0 decodes nothing
     assert [stream.tpot_target for stream in busy_d0.on("d0")] == [0.1]  # gone with the request
+
+
+async def test_a_prefill_that_failed_before_its_first_token_leaves_its_worker_quiet_again(busy_d0, monkeypatch):
+    clock, plan = Clock(monkeypatch), Plan(PlanKind.LOCAL, "d0", None, estimate(stall=0.5))
+    job = Job(prompt_token_ids=[1] * 300, sampling=wire.SamplingSpec(max_tokens=4), cache_salt="s")
+    handoff = HandoffRecord(job.request_id)
+
+    async def failing():
+        clock.now = 1.2
+        raise RuntimeError("worker gone")
+        yield  # an async generator that fails before its first chunk
+
+    with pytest.raises(RuntimeError):
+        async for _ in service(busy_d0)._relayed(failing(), plan, job, handoff, 1.0):
+            pass
+    for at in (1.3, 1.32, 1.34, 1.36):  # steps after the failure are quiet ones
+        busy_d0.token("d0", "running", 1, at)
+    assert busy_d0.quiet_gap("d0") == pytest.approx(0.02)
+    busy_d0.prefill_dispatched("d0", "next")
+    busy_d0.token("d0", "running", 1, 1.86)  # beside the next prefill: not quiet
+    assert busy_d0.prefilled("d0", "next", dispatched_at=1.36, now=1.86) == Stall(pytest.approx(0.5 - 0.02), 1)
