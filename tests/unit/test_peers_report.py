@@ -137,3 +137,22 @@ def test_the_table_names_winners_and_skipped_systems():
     assert "goodput: vllm wins (1 req/s); kvroute 0.5 req/s, 0.50x vllm" in text
     assert "router-pd skipped: no P/D connector here" in text
     assert "router-pd" in text.split("Goodput")[0]  # a row of the workload's table too
+
+
+def test_round_by_round_ratios_show_a_run_the_machine_slowed_that_pooled_percentiles_hide():
+    def metrics(ttft: float) -> dict:
+        return {"ttft_p50_s": ttft, "hit_rate": 0.5}
+
+    # Round 2 was slow for kvroute alone; round 3 for vllm alone.
+    rounds = {"kvroute": (metrics(1.0), metrics(1.8), metrics(1.0)),
+              "vllm": (metrics(1.0), metrics(1.0), metrics(1.9)),
+              "router-cache_aware": (metrics(1.2), metrics(1.5), metrics(1.5))}
+    pooled = {system: {"repository-assistant": {0.5: metrics(1.2)}} for system in rounds}
+    by_round = {system: {"repository-assistant": {0.5: runs}} for system, runs in rounds.items()}
+    ttft = report.comparisons(pooled, by_round)["repository-assistant"]["rates"][0.5]["ttft_p50_s"]
+    assert ttft["kvroute_over_best_peer_by_round"] == pytest.approx([1.0, 1.8, 1.0 / 1.5])
+    assert ttft["median_by_round"] == pytest.approx(1.0)
+    assert ttft["verdict"].endswith("; by round 1.00x 1.80x 0.67x (median 1.00x)")
+    one_round = {system: {"repository-assistant": {0.5: runs[:1]}} for system, runs in rounds.items()}
+    alone = report.comparisons(pooled, one_round)["repository-assistant"]["rates"][0.5]["ttft_p50_s"]
+    assert "by round" not in alone["verdict"] and "median_by_round" not in alone

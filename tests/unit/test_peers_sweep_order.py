@@ -44,7 +44,7 @@ def events(monkeypatch):
             raise ReplayError("connection refused")
         happened.append(("run", system.plan.system, rate))
         metrics = report.run_metrics([], 1.0, settings.targets)
-        return run.RunRecord(system.plan.system, workload, rate, [], metrics, {"reset": True})
+        return run.RunRecord(system.plan.system, workload, rate, [], metrics, {"reset": True}, by_repeat=(metrics,))
 
     monkeypatch.setattr(run, "running", running)
     monkeypatch.setattr(run, "measure_run", measure_run)
@@ -76,6 +76,8 @@ def test_interleaved_keeps_all_up_and_reverses_the_order_every_other_run(events)
                     ("a", 1.0), ("b", 1.0), ("c", 1.0), ("c", 1.0), ("b", 1.0), ("a", 1.0)]
     assert sorted(happened[-3:]) == [("stop", "a"), ("stop", "b"), ("stop", "c")]
     assert all([r.repeats for r in record.runs] == [2, 2] for record in result.systems)
+    assert all([len(r.by_repeat) for r in record.runs] == [2, 2] for record in result.systems)
+    assert set(result.metrics_by_round()["a"]["long-output"]) == {0.5, 1.0}
 
 
 def test_sequential_starts_each_system_after_the_last_stopped(events):

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                                  sequential=args.sequential, repeats=args.repeats)
     systems = build_systems(args, res, log_dir, lambda message: console.print(message, highlight=False))
     sweep = run.sweep(systems, settings, log_dir, console)
-    comparisons = report.comparisons(sweep.metrics())
+    comparisons = report.comparisons(sweep.metrics(), sweep.metrics_by_round())
     recorded = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     results.write(output / "results.json",
                   results.document(sweep, recorded, res.record(), targets, comparisons))

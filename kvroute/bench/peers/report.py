@@ -12,11 +12,18 @@ kvroute against the best peer. Pure functions over ``replay.Row``s and plain dic
   value over the best other system's: below 1 is better for latencies, above 1 for hit rate
   and goodput. Every verdict names the winner, also when it is a peer. ``kvroute-tier`` (kvroute
   with a node KV tier) is no peer: ``tier_over_kvroute`` is its value over kvroute's.
+* **By round**: with ``--repeats``, the k-th run of every system is its k-th round, run one
+  after another (``run.measure_systems``). ``kvroute_over_best_peer_by_round`` is kvroute's
+  value over the best peer's of the same round, round by round, and ``median_by_round`` their
+  median: now and then a whole run is slow (measured on two cores: one run of four at ~1.8x
+  its TPOT P50, for kvroute and for vLLM, with as much CPU time spent as in the others), and
+  the pooled percentiles then judge whichever system that run was.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 
 from kvroute.bench.peers.plans import KVROUTE, KVROUTE_TIER
@@ -115,6 +122,27 @@ def compare(values: dict[str, float | None], metric: Metric) -> dict:
     return result
 
 
+def by_round(rounds: dict[str, tuple[dict, ...]], metric: Metric) -> list[float]:
+    """kvroute's value over the best peer's in each round both have one; [] without kvroute."""
+    ours, out = rounds.get(KVROUTE, ()), []
+    for k, run in enumerate(ours):
+        peers = {name: runs[k].get(metric.key) for name, runs in rounds.items() if name not in OURS and k < len(runs)}
+        best = winners(peers, metric.lower_is_better)
+        if best and run.get(metric.key) is not None and peers[best[0]]:
+            out.append(run[metric.key] / peers[best[0]])
+    return out
+
+
+def with_rounds(comparison: dict, ratios: list[float]) -> dict:
+    """``comparison`` with its round-by-round ratios (two rounds or more) said in its verdict."""
+    if len(ratios) < 2:
+        return comparison
+    middle = statistics.median(ratios)
+    shown = " ".join(f"{ratio:.2f}x" for ratio in ratios)
+    return {**comparison, "kvroute_over_best_peer_by_round": ratios, "median_by_round": middle,
+            "verdict": f"{comparison['verdict']}; by round {shown} (median {middle:.2f}x)"}
+
+
 def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -144,19 +172,25 @@ def verdict(metric: Metric, comparison: dict) -> str:
     return f"{lead}; kvroute {ours}" + (f", {ratio:.2f}x {peer}" if ratio is not None else "")
 
 
-def comparisons(metrics: dict[str, dict[str, dict[float, dict]]]) -> dict:
+def comparisons(metrics: dict[str, dict[str, dict[float, dict]]],
+                rounds: dict[str, dict[str, dict[float, tuple[dict, ...]]]] | None = None) -> dict:
     """``metrics[system][workload][rate]`` → per workload: goodput per system and its comparison,
-    and per rate one comparison per run metric."""
+    and per rate one comparison per run metric; ``rounds`` (same keys, each run's metrics in
+    order) adds the round-by-round ratios (``with_rounds``)."""
     workloads = sorted({w for per_system in metrics.values() for w in per_system})
+    rounds = rounds or {}
     out: dict = {}
     for workload in workloads:
         ran = {system: runs[workload] for system, runs in metrics.items() if workload in runs}
         goodputs = {system: goodput(by_rate) for system, by_rate in ran.items()}
         rates = sorted({rate for by_rate in ran.values() for rate in by_rate})
-        out[workload] = {
-            "goodput": compare(goodputs, GOODPUT),
-            "rates": {rate: {metric.key: compare({s: ran[s].get(rate, {}).get(metric.key) for s in ran}, metric)
-                             for metric in RUN_METRICS} for rate in rates}}
+        out[workload] = {"goodput": compare(goodputs, GOODPUT), "rates": {}}
+        for rate in rates:
+            in_rounds = {s: runs.get(workload, {}).get(rate, ()) for s, runs in rounds.items()}
+            out[workload]["rates"][rate] = {
+                metric.key: with_rounds(compare({s: ran[s].get(rate, {}).get(metric.key) for s in ran}, metric),
+                                        by_round(in_rounds, metric))
+                for metric in RUN_METRICS}
     return out
 
 

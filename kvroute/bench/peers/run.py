@@ -81,6 +81,8 @@ class RunRecord:
     metrics: dict
     cache_reset: dict  # the first run's; ``repeats`` says how many runs the rows came from
     repeats: int = 1
+    # Each run's own metrics, in order: the k-th run of every system shared the k-th round.
+    by_repeat: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -105,6 +107,14 @@ class Sweep:
         for record in self.systems:
             for run in record.runs:
                 out.setdefault(record.system, {}).setdefault(run.workload, {})[run.rate] = run.metrics
+        return out
+
+    def metrics_by_round(self) -> dict[str, dict[str, dict[float, tuple[dict, ...]]]]:
+        """``[system][workload][rate]`` → each run's metrics, round by round, for ``report.comparisons``."""
+        out: dict = {}
+        for record in self.systems:
+            for run in record.runs:
+                out.setdefault(record.system, {}).setdefault(run.workload, {})[run.rate] = run.by_repeat
         return out
 
 
@@ -216,7 +226,7 @@ def _gather(entry: _Live, run: RunRecord, lengths: dict[int, int | None], settin
     # Over every row; what a run adds beyond run_metrics (router_kv_index) is the latest run's.
     metrics = {**run.metrics, **report.run_metrics(rows, duration, settings.targets, lengths)}
     entry.gathered[key] = RunRecord(run.system, run.workload, run.rate, rows, metrics, earlier.cache_reset,
-                                    earlier.repeats + 1)
+                                    earlier.repeats + 1, earlier.by_repeat + run.by_repeat)
 
 
 def measure_run(system: RunningSystem, target: ReplayTarget, workload: str, rate: float, items: list[ReplayItem],
@@ -232,7 +242,7 @@ def measure_run(system: RunningSystem, target: ReplayTarget, workload: str, rate
                   f"TPOT p50 {report.fmt(metrics['tpot_p50_s'], 's')}, "
                   f"hit rate {report.fmt(metrics['hit_rate'], '%')}, SLO met {metrics['slo_attainment']:.0%}",
                   highlight=False)
-    return RunRecord(name, workload, rate, rows, metrics, reset)
+    return RunRecord(name, workload, rate, rows, metrics, reset, by_repeat=(metrics,))
 
 
 def _target(system: RunningSystem, request_timeout_s: float) -> ReplayTarget:
