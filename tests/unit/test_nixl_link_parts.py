@@ -13,6 +13,7 @@ import torch
 from transfer.transports import nixl_buffers
 from transfer.transports.errors import LinkRefused, PeerLost, TransportError, TransportTimeout
 from transfer.transports.nixl_agent import (
+    UCX_TCP_DEFAULTS,
     Closed,
     Frames,
     Header,
@@ -168,7 +169,16 @@ def test_a_full_pool_deregisters_the_buffer_a_larger_one_replaces():
     ("worker-3.example", {}, {}),
 ])
 def test_ucx_listens_on_loopback_only_for_loopback_links(host, environment, added):
-    assert ucx_environment(host, environment) == added
+    devices = {name: value for name, value in ucx_environment(host, environment).items()
+               if name not in UCX_TCP_DEFAULTS}
+    assert devices == added
+
+
+def test_ucx_gets_tcp_segments_for_reads_unless_the_operator_set_them():
+    assert ucx_environment("10.0.0.7", {}) == UCX_TCP_DEFAULTS
+    assert UCX_TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"] == "1m"
+    chosen = ucx_environment("10.0.0.7", {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_SNDBUF": "1m"})
+    assert chosen == {"UCX_TCP_RX_SEG_SIZE": "1m", "UCX_TCP_RCVBUF": "4m"}
 
 
 def test_a_read_buffer_grows_by_registering_anew_and_closes_clean():
