@@ -180,8 +180,8 @@ def device_index(tensor: torch.Tensor) -> int:
 # in active messages of at most its segment size (8 KiB to send, 64 KiB to receive by
 # default). Between two network namespaces of one machine (``kvroute bench transfer``,
 # veth at 20 and 100 Gbit/s, 2.9-94 MB), NIXL READs ran at 0.27-0.62x raw pyzmq tcp with
-# those segments and at 0.75-1.98x (median ~1.0x) with 1 MiB segments and 4 MiB socket
-# buffers; a few MiB of buffers per connection buys it. The operator's own values stand.
+# those segments and at 0.64-1.73x (median 1.23x unshaped, 0.96x shaped to 20 Gbit/s) with
+# 1 MiB segments and 4 MiB socket buffers (docs/transfer.md). The operator's values stand.
 UCX_TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m",
                     "UCX_TCP_SNDBUF": "4m", "UCX_TCP_RCVBUF": "4m"}
 

@@ -37,7 +37,8 @@ UCX transport: left to UCX. On one host it picks cma (process_vm_readv, zero-cop
 READs and tcp for the notifications. Do not narrow UCX_TLS to tcp (READs are then emulated
 in software: 0.35 times raw pyzmq ipc's speed against 1.4) or to shm (refused: NIXL needs a
 peer-failure handler, which the shared-memory transports lack). UCX's tcp listener stays on
-``lo`` for links on a loopback address (``nixl_agent.ucx_environment``).
+``lo`` for links on a loopback address, and its tcp segments are 1 MiB, for the READs it
+emulates between hosts (``nixl_agent.ucx_environment``).
 
 Failures: every wait polls against the caller's deadline. A closing end tells its peer
 (Closed), so the peer fails at once rather than at its deadline. Memory a peer might still
