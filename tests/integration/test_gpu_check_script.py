@@ -45,3 +45,8 @@ def test_on_the_cpu_the_whole_script_runs_and_every_byte_is_exact(tmp_path):
     assert [row["backend"] for row in link["rows"]] == ["gloo"] * len(gpu_check_links.CPU_LINK_SIZES.frame_sizes)
     assert all(row["bit_exact"] and row["reps"] == 5 for row in link["rows"])
     assert "gather GB/s" in done.stdout and "link cpu -> cpu" in done.stdout
+    nixl_link = report["nixl_link"]  # make setup installs nixl_cu12
+    assert nixl_link["status"] == "ok" and nixl_link["backend"] == "nixl"
+    assert [row["backend"] for row in nixl_link["rows"]] == ["nixl"] * len(gpu_check_links.CPU_LINK_SIZES.frame_sizes)
+    assert all(row["bit_exact"] and row["baseline"] == gpu_check_links.BASELINES["nixl"] for row in nixl_link["rows"])
+    assert "raw: copy_ on the receiver's device" in done.stdout

@@ -72,3 +72,14 @@ def test_link_results_tell_an_nccl_refusal_from_a_failure():
 
 def test_pair_devices_share_the_cpu():
     assert gpu_check_links.pair_devices("cpu") == ("cpu", "cpu")
+
+
+def test_a_nixl_link_is_forced_on_any_device_and_skipped_saying_why_without_nixl(monkeypatch):
+    assert gpu_check_links.link_settings(torch.device("cpu"), gpu_check_links.NIXL).backend == "nixl"
+    assert gpu_check_links.link_settings(torch.device("cpu")).backend == "gloo"
+    monkeypatch.setattr("transfer.transports.nixl_agent.nixl_missing", lambda: "nixl_cu12 cannot be imported")
+    skipped = gpu_check_links.check_nixl_link("cpu", gpu_check_links.CPU_LINK_SIZES, 5)
+    assert skipped["status"] == "skipped" and skipped["reason"] == "nixl_cu12 cannot be imported"
+    assert gpu_check.link_table(skipped) == ["link cpu -> cpu over nixl: skipped (nixl_cu12 cannot be imported)"]
+    assert gpu_check.overall_status([], {"status": "ok"}, skipped) == "ok"
+    assert gpu_check.overall_status([], {"status": "ok"}, {"status": "failed"}) == "error"

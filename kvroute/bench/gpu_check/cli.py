@@ -9,7 +9,9 @@ prepared command (see README, "GPU check")::
    dtype this torch has: bit-exact round trips, and throughput against raw
    ``index_select`` / ``index_copy_`` / contiguous ``copy_`` (``copies``);
 2. the torch.distributed NCCL link between two processes, on two GPUs or else on one,
-   against raw torch.distributed send/recv of the same bytes (``links``).
+   against raw torch.distributed send/recv of the same bytes (``links``);
+3. the same pair over a NIXL link (READs of VRAM between the two processes), against a
+   copy of the same frames on the receiver's device; skipped, saying why, without nixl_cu12.
 
 It prints a table and writes JSON to ``--output``. Without a CUDA device it prints
 "skipped: no CUDA device", writes a JSON saying so, and exits 0; without torch it says
@@ -58,21 +60,23 @@ def run_checks(device_type: str, reps: int) -> dict:
 
     device = torch.device(f"{device_type}:0" if device_type == "cuda" else "cpu")
     on_gpu = device_type == "cuda"
-    with Bar(Console(), "GPU check", 2, redraw=False) as phase:  # nothing redrawn while copies are timed
+    link_sizes = gpu_links.GPU_LINK_SIZES if on_gpu else gpu_links.CPU_LINK_SIZES
+    with Bar(Console(), "GPU check", 3, redraw=False) as phase:  # nothing redrawn while copies are timed
         phase.step("gather, scatter and copies")
         copies = gpu_copies.check_copies(device, gpu_copies.GPU_COPY_SIZES if on_gpu else gpu_copies.CPU_COPY_SIZES,
                                          reps)
         phase.step("link")
-        link = gpu_links.check_link(device_type, gpu_links.GPU_LINK_SIZES if on_gpu else gpu_links.CPU_LINK_SIZES,
-                                    reps)
-    return {"status": overall_status(copies, link), "device": device_type, "reps": reps,
-            "environment": environment(), "copies": copies, "link": link}
+        link = gpu_links.check_link(device_type, link_sizes, reps)
+        phase.step("nixl link")
+        nixl_link = gpu_links.check_nixl_link(device_type, link_sizes, reps)
+    return {"status": overall_status(copies, link, nixl_link), "device": device_type, "reps": reps,
+            "environment": environment(), "copies": copies, "link": link, "nixl_link": nixl_link}
 
 
-def overall_status(copies: list[dict], link: dict) -> str:
+def overall_status(copies: list[dict], *links: dict) -> str:
     """``error`` when bytes came out wrong or a check could not run; ratios only inform."""
     broken_copies = any("error" in row or not row["bit_exact"] for row in copies)
-    return "error" if broken_copies or link["status"] == "failed" else "ok"
+    return "error" if broken_copies or any(link["status"] == "failed" for link in links) else "ok"
 
 
 def copies_table(rows: list[dict]) -> list[str]:
@@ -92,10 +96,13 @@ def copies_table(rows: list[dict]) -> list[str]:
 
 
 def link_table(link: dict) -> list[str]:
+    head = f"link {link['devices'][0]} -> {link['devices'][1]} over {link.get('backend', 'default')}"
+    if link["status"] == "skipped":
+        return [f"{head}: skipped ({link['reason']})"]
     target = "meets" if link["meets_target"] else "misses"
-    lines = [f"link {link['devices'][0]} -> {link['devices'][1]}: {link['status']}, {target} the 0.8x target"
-             + (f" ({link['error']})" if "error" in link else "")]
+    lines = [f"{head}: {link['status']}, {target} the 0.8x target" + (f" ({link['error']})" if "error" in link else "")]
     if link["rows"]:
+        lines.append(f"raw: {link['rows'][0]['baseline']}")
         lines.append(f"{'backend':<9}{'MiB':>8}{'exact':>7}{'link GB/s':>11}{'raw GB/s':>10}{'ratio':>7}{'>=0.8':>7}")
     for row in link["rows"]:
         lines.append(f"{row['backend']:<9}{row['bytes'] / 2**20:>8.1f}{'yes' if row['bit_exact'] else 'NO':>7}"
@@ -127,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         print("skipped: no CUDA device")
     else:
         report = run_checks(args.device, args.reps)
-        print("\n".join(copies_table(report["copies"]) + [""] + link_table(report["link"])))
+        print("\n".join(copies_table(report["copies"]) + [""] + link_table(report["link"]) + [""]
+                        + link_table(report["nixl_link"])))
         print(f"status: {report['status']}")
     args.output.write_text(json.dumps(report, indent=2))
     return 1 if report["status"] == "error" else 0

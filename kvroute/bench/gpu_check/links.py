@@ -20,6 +20,14 @@ The raw baseline is a two-rank group of the same backend built straight from
 with the link on purpose. First one transfer whose every byte is checked, then the
 repetitions, link and raw interleaved so drift hits both alike; medians are reported.
 Ratio = raw seconds / link seconds; the target is 0.8.
+
+The same pair runs once more with the link forced to NIXL (``backend`` NIXL), where
+nixl_cu12 is installed: on CUDA frames its READs take the sender's registered VRAM into the
+receiver's (UCX's cuda_ipc between processes of one node, or RDMA), the path a decode
+worker's pull would take on GPUs; on the CPU, host memory, so the tests run it too. NCCL
+cannot be its yardstick on a one-GPU machine, so its raw baseline is the receiver copying
+the same frames from one buffer to another on its own device (``copy_``): how near a READ
+between two processes comes to the device's own copy.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from transfer.transports.links import open_receiver, open_sender
 from transfer.transports.settings import AUTO, TransportSettings
 
 TARGET_RATIO = 0.8
+DEFAULT, NIXL = "default", "nixl"  # the link's backend: chosen by the frames' device, or NIXL
+BASELINES = {DEFAULT: "torch.distributed send/recv", NIXL: "copy_ on the receiver's device"}
 SENDER_RANK, RECEIVER_RANK = 0, 1
 DEADLINE_SECONDS = 60.0  # per wait; a hung NCCL init then costs a minute, not the device's budget
 RAW_TAG = 7
@@ -63,9 +73,11 @@ def pair_devices(device_type: str) -> tuple[str, str]:
     return (f"{device_type}:0",) * 2 if device_type == "cuda" else ("cpu", "cpu")
 
 
-def link_settings(device: torch.device) -> TransportSettings:
+def link_settings(device: torch.device, backend: str = DEFAULT) -> TransportSettings:
     # CUDA frames choose nccl by themselves (that choice is part of what is checked);
     # CPU frames would choose zmq, so the CPU run forces gloo, the same code path.
+    if backend == NIXL:
+        return TransportSettings(backend="nixl")
     return TransportSettings(backend=AUTO if device.type == "cuda" else "gloo")
 
 
@@ -125,14 +137,17 @@ class _Filler:
             self._touched.add(out.data_ptr())
 
 
-def sender_main(device_name: str, sizes: LinkSizes, reps: int, control, commands) -> None:
+def sender_main(device_name: str, sizes: LinkSizes, reps: int, control, commands, backend: str = DEFAULT) -> None:
     device = _enter(device_name)
     control = ConnectionChannel(control)
     try:
-        sender = open_sender(control, stand_in_layout(sizes.num_frames), device, _deadline(), link_settings(device))
-        store = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=DEADLINE_SECONDS), wait_for_workers=False)
-        commands.send(("raw-address", store.port))
-        group = raw_group(store, SENDER_RANK, device)
+        sender = open_sender(control, stand_in_layout(sizes.num_frames), device, _deadline(),
+                             link_settings(device, backend))
+        group = None  # NIXL's baseline is the receiver's own copy: no raw group
+        if backend == DEFAULT:
+            store = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=DEADLINE_SECONDS), wait_for_workers=False)
+            commands.send(("raw-address", store.port))
+            group = raw_group(store, SENDER_RANK, device)
         fill = _Filler(device)
         while (command := commands.recv())[0] != "stop":  # EOFError if the receiver died
             kind, frame_bytes, transfer_id, fill.checked = command
@@ -189,9 +204,21 @@ class _Measurer:
 
     def raw_seconds(self, frame_bytes: int) -> float:
         buffers = _touched(frame_bytes, self.sizes.num_frames, self.device)
+        if self.group is None:
+            return self._copy_seconds(buffers)
         started = time.perf_counter()
         self.commands.send(("raw", frame_bytes, 0, False))
         raw_frames(self.group, buffers, SENDER_RANK, sending=False)
+        return time.perf_counter() - started
+
+    def _copy_seconds(self, buffers: list[torch.Tensor]) -> float:
+        """The frames copied on this device, buffer to buffer: NIXL's yardstick."""
+        targets = [torch.empty_like(buffer) for buffer in buffers]
+        synchronize(self.device)
+        started = time.perf_counter()
+        for target, buffer in zip(targets, buffers):
+            target.copy_(buffer)
+        synchronize(self.device)
         return time.perf_counter() - started
 
     def link_exact(self, frame_bytes: int) -> bool:
@@ -208,11 +235,12 @@ class _Measurer:
         for _ in range(reps):
             samples["link"].append(self.link_seconds(frame_bytes))
             samples["raw"].append(self.raw_seconds(frame_bytes))
-        return summarise(self.receiver.backend, frame_bytes, self.sizes.num_frames, samples, exact)
+        baseline = BASELINES[DEFAULT if self.group is not None else NIXL]
+        return summarise(self.receiver.backend, frame_bytes, self.sizes.num_frames, samples, exact, baseline)
 
 
 def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str, list[float]],
-              bit_exact: bool) -> dict:
+              bit_exact: bool, baseline: str = BASELINES[DEFAULT]) -> dict:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     nbytes = frame_bytes * num_frames
     ratio = medians["raw"] / medians["link"]
@@ -220,17 +248,21 @@ def summarise(backend: str, frame_bytes: int, num_frames: int, samples: dict[str
             "bit_exact": bit_exact, "link_seconds": medians["link"], "raw_seconds": medians["raw"],
             "link_gb_per_second": nbytes / medians["link"] / 1e9, "raw_gb_per_second": nbytes / medians["raw"] / 1e9,
             "ratio": ratio, "target_ratio": TARGET_RATIO, "meets_target": bit_exact and ratio >= TARGET_RATIO,
-            "reps": len(samples["link"])}
+            "reps": len(samples["link"]), "baseline": baseline}
 
 
-def receiver_main(device_name: str, sizes: LinkSizes, reps: int, control, commands, results) -> None:
+def receiver_main(device_name: str, sizes: LinkSizes, reps: int, control, commands, results,
+                  backend: str = DEFAULT) -> None:
     device = _enter(device_name)
     try:
         receiver = open_receiver(ConnectionChannel(control), stand_in_layout(sizes.num_frames), device,
-                                 _deadline(), link_settings(device))
-        _, port = commands.recv()
-        store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=DEADLINE_SECONDS))
-        measurer = _Measurer(device, sizes, receiver, raw_group(store, RECEIVER_RANK, device), commands)
+                                 _deadline(), link_settings(device, backend))
+        group = None
+        if backend == DEFAULT:
+            _, port = commands.recv()
+            store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=DEADLINE_SECONDS))
+            group = raw_group(store, RECEIVER_RANK, device)
+        measurer = _Measurer(device, sizes, receiver, group, commands)
         results.send(("ok", [measurer.row(frame_bytes, reps) for frame_bytes in sizes.frame_sizes]))
         receiver.close()
     except Exception as error:
@@ -245,7 +277,8 @@ def receiver_main(device_name: str, sizes: LinkSizes, reps: int, control, comman
 # ------------------------------------------------------------------ the parent
 
 
-def check_link(device_type: str, sizes: LinkSizes, reps: int, timeout: float = 2 * DEADLINE_SECONDS) -> dict:
+def check_link(device_type: str, sizes: LinkSizes, reps: int, timeout: float = 2 * DEADLINE_SECONDS,
+               backend: str = DEFAULT) -> dict:
     """Run the pair. ``status``: ok (ran, bit-exact), failed (an error or a wrong byte) or
     unsupported (NCCL refused two ranks on one GPU); ``meets_target``: every ratio >= 0.8."""
     devices = pair_devices(device_type)
@@ -253,9 +286,10 @@ def check_link(device_type: str, sizes: LinkSizes, reps: int, timeout: float = 2
     control = context.Pipe()
     commands = context.Pipe()
     results_out, results_in = context.Pipe(duplex=False)
-    processes = [context.Process(target=sender_main, args=(devices[0], sizes, reps, control[0], commands[0])),
+    processes = [context.Process(target=sender_main,
+                                 args=(devices[0], sizes, reps, control[0], commands[0], backend)),
                  context.Process(target=receiver_main,
-                                 args=(devices[1], sizes, reps, control[1], commands[1], results_in))]
+                                 args=(devices[1], sizes, reps, control[1], commands[1], results_in, backend))]
     for process in processes:
         process.start()
     for end in (*control, *commands, results_in):
@@ -264,7 +298,18 @@ def check_link(device_type: str, sizes: LinkSizes, reps: int, timeout: float = 2
         outcome = _outcome(results_out, timeout)
     finally:
         _end(processes)
-    return link_result(devices, *outcome)
+    return {**link_result(devices, *outcome), "backend": backend}
+
+
+def check_nixl_link(device_type: str, sizes: LinkSizes, reps: int) -> dict:
+    """The pair over a NIXL link, or why it was skipped (nixl_cu12 not installed)."""
+    from transfer.transports.nixl_agent import nixl_missing
+
+    missing = nixl_missing()
+    if missing:
+        return {"check": "link", "backend": NIXL, "devices": list(pair_devices(device_type)), "status": "skipped",
+                "meets_target": False, "reason": missing, "rows": []}
+    return check_link(device_type, sizes, reps, backend=NIXL)
 
 
 def _outcome(results, timeout: float) -> tuple[str, object]:
