@@ -66,6 +66,7 @@ from transfer.transports.errors import TransportError
 from transfer.transports.handshake import SENDER
 from transfer.transports.links import open_sender
 from transfer.transports.nixl_agent import agent_for, nixl_missing
+from transfer.transports.selection import hosted_backends
 from transfer.transports.settings import TransportSettings
 
 logger = logging.getLogger("kvroute.transfer.server")
@@ -121,6 +122,9 @@ class BlockServer:
         self.link_settings = link_settings or TransportSettings()
         self._links: OrderedDict[str, Sender] = OrderedDict()  # by the consumer's link id
         self.direct = DirectExports(cache, lambda: agent_for(SENDER, self.link_settings.host))
+        # Direct READs are offered only by an end that hosts nixl; every producer stages into
+        # its arena (transfer.connector_worker), so a region alone does not say it.
+        self._offers_direct = "nixl" in hosted_backends(self.link_settings)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvroute-block-server", daemon=True)
 
@@ -320,7 +324,8 @@ class BlockServer:
     def _offer_direct(self, identity: bytes, request: wire.PullBlocks | wire.PullOverLink, lease) -> bool:
         """Answer a consumer that READs with NIXL with where the lease lies in the staging arena;
         False: send frames (the lease is elsewhere, or NIXL cannot run here)."""
-        if not (isinstance(request, wire.PullBlocks) and request.direct and lease.region is not None) or nixl_missing():
+        if (not (isinstance(request, wire.PullBlocks) and request.direct and lease.region is not None)
+                or not self._offers_direct or nixl_missing()):
             return False
         try:
             ref = self.direct.offer(lease, request.block_indices, request.checksum, time.monotonic())
