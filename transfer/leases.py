@@ -12,10 +12,10 @@ vLLM keeps a leased request's blocks allocated (the connector returned
 ``delay_free=True``) until the table reports its request id. While a request holds
 blocks that way, vLLM's engine loop keeps stepping — on CPU that spins a core and
 starves the block server in the same process. So a lease is normally *staged*: its
-blocks are copied to host buffers the lease owns (in the process's staging arena when the
-endpoint offers NIXL READs: ``transfer.staging_arena``; else in shared memory where it can
-be had, for consumers on this host: ``transfer.shared_copies``; the lease closes either
-when it ends), the request id is reported at once, and the engine goes idle. A lease that does
+blocks are copied to host buffers the lease owns (in the process's staging arena:
+``transfer.staging_arena``; when it is full, in shared memory of its own where that can be
+had, for consumers on this host: ``transfer.shared_copies``; the lease closes either when it
+ends), the request id is reported at once, and the engine goes idle. A lease that does
 not fit the staging budget stays in place.
 
 Every request id is reported exactly once, and never while a staging copy still reads

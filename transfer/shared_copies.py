@@ -14,10 +14,11 @@ with ``preadv`` straight into the destination rows of its paged cache::
           ◀──────────── ReleaseLease(ack)
     lease ends: close the fd (the memory goes with the last descriptor or mapping)
 
-A producer hosting nixl stages leases into regions of its staging arena instead, one memfd
-for all of them (``transfer.staging_arena``). It offers such a lease at its ``offset`` in that
-file, with a ``pin`` that keeps the region from reuse, and only to a consumer that says it
-confirms (``PullBlocks.confirms_shared``): after reading, the consumer sends ``ConfirmRead``
+A producer stages leases into regions of its staging arena first, one memfd for all of them
+(``transfer.staging_arena``), and into a memfd of their own when the arena is full. It
+offers an arena lease at its ``offset`` in that file, with a ``pin`` that keeps the region
+from reuse, and only to a consumer that says it confirms (``PullBlocks.confirms_shared``):
+after reading, the consumer sends ``ConfirmRead``
 and trusts what it read only if the producer vouches the lease was live throughout, as for a
 direct READ (``transfer.direct_exports``). A region's memory outlives its lease, so the
 closed-descriptor check above cannot tell a stale read there; the pin and the confirmation do.
