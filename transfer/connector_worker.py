@@ -84,7 +84,9 @@ class ConnectorWorker:
         self._shares_copies = settings.shared_copies and SHARED_COPIES_SUPPORTED
         self._reads_shared_copies = False  # known once the caches are registered
         self._direct: DirectReader | None = None  # with a nixl link, on a host cache: see register
-        self._arena: StagingArena | None = None  # where leases are staged (see _stages_in_arena)
+        # Where leases are staged (see _stages_in_arena); made at the first lease, so that an
+        # end that only consumes maps none.
+        self._arena: StagingArena | None = None
         self._tier: TierWorker | None = None
         if settings.node_store:
             self._tier = TierWorker(NodeStoreClient(settings.node_store, self._context), self.counters,
@@ -101,8 +103,6 @@ class ConnectorWorker:
                                      and self.cache.layers[0].is_contiguous())
         if self._reads_directly():
             self._direct = DirectReader(self.cache, self.settings.link_settings().host)
-        if self._stages_in_arena():
-            self._arena = staging_arena(self.settings.staging_bytes)
         self._warm_nixl_agents()
         self.server = BlockServer(self.settings.transfer_bind, self.cache, self.leases,
                                   self.counters, self.settings.park_seconds, self.pull_records,
@@ -198,6 +198,8 @@ class ConnectorWorker:
         block_ids = block_index_tensor(lease.block_ids)
         layers, shared, region = None, None, None
         try:
+            if self._arena is None and self._stages_in_arena():
+                self._arena = staging_arena(self.settings.staging_bytes)
             if self._arena is not None:
                 layers, region = stage_in_arena(self.cache, block_ids, self._arena) or (None, None)
             if layers is None and self._shares_copies:
