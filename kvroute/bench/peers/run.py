@@ -103,20 +103,18 @@ class Sweep:
 
     def metrics(self) -> dict[str, dict[str, dict[float, dict]]]:
         """``[system][workload][rate]`` → run metrics, for ``report.comparisons``."""
-        out: dict = {}
-        for record in self.systems:
-            for run in record.runs:
-                out.setdefault(record.system, {}).setdefault(run.workload, {})[run.rate] = run.metrics
-        return out
+        return self._per_run(lambda run: run.metrics)
 
     def metrics_by_round(self) -> dict[str, dict[str, dict[float, tuple[dict, ...]]]]:
         """``[system][workload][rate]`` → each run's metrics, round by round, for ``report.comparisons``."""
+        return self._per_run(lambda run: run.by_repeat)
+
+    def _per_run(self, value) -> dict:
         out: dict = {}
         for record in self.systems:
             for run in record.runs:
-                out.setdefault(record.system, {}).setdefault(run.workload, {})[run.rate] = run.by_repeat
+                out.setdefault(record.system, {}).setdefault(run.workload, {})[run.rate] = value(run)
         return out
-
 
 Workload = tuple[list[ReplayItem], dict, dict[int, int | None]]  # items, source, requested lengths
 
