@@ -146,6 +146,13 @@ class ConnectorWorker:
         peak of leases staged at once (first fit from its start), within staging_bytes."""
         return self.cache.is_host_memory and self.settings.staging_bytes > 0
 
+    def _arena_is_shareable(self) -> bool:
+        """Whether consumers may open the arena as a file: not where this end forces nixl, so
+        that every consumer READs it (links of both ends force the same backend); the arena
+        is then anonymous memory in huge pages, which NIXL READs faster than any file
+        (``transfer.staging_arena``)."""
+        return not (self.settings.transfer_link == "nixl" and not nixl_missing())
+
     def _warm_nixl_agents(self) -> None:
         """Make this process's NIXL agents while the engine starts, when its links may run
         nixl ("auto" measures it, or it is forced): the first agent of a process costs ~0.45 s
@@ -199,7 +206,10 @@ class ConnectorWorker:
         layers, shared, region = None, None, None
         try:
             if self._arena is None and self._stages_in_arena():
-                self._arena = staging_arena(self.settings.staging_bytes)
+                self._arena = staging_arena(self.settings.staging_bytes, self._arena_is_shareable())
+                logger.info("staging leases into an arena of %.0f MiB (%s)", self._arena.nbytes / 2**20,
+                            "huge pages, for NIXL READs" if self._arena.huge_pages else
+                            "a shared file" if self._arena.shared else "private memory")
             if self._arena is not None:
                 layers, region = stage_in_arena(self.cache, block_ids, self._arena) or (None, None)
             if layers is None and self._shares_copies:

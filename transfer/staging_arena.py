@@ -21,6 +21,13 @@ consumers on this host without NIXL read a lease's region through ``/proc`` as a
 anonymous mapping. Either way pages cost nothing until staged into, and once staged into
 they are reused without faulting again.
 
+An arena only NIXL reads (``shareable=False``: its producer forces nixl, so every consumer
+READs it) is anonymous memory advised into transparent huge pages where the kernel offers
+them, since shared memory files get none unless the host enables them for shmem. A READ
+on one host is UCX's cma, a ``process_vm_readv`` that pins the producer's pages as it
+copies: from 2 MiB pages it moved 94 MiB in 61 KiB segments in 10.9 ms here, against
+19.4 ms from 4 KiB pages and 13.7 ms for ``preadv`` of the same segments from a memfd.
+
 Thread-safe: the engine's thread allocates, the block server's thread (where leases end)
 closes and collects.
 """
@@ -79,13 +86,17 @@ class Region:
 
 
 class StagingArena:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, shareable: bool = True):
+        """``shareable``: whether consumers on this host may open it as a file (see the module's docstring)."""
         self.nbytes = _aligned(nbytes)
         # Never closed: the arena lives as long as its process, and consumers open its file.
-        self._file = SharedCopy(self.nbytes) if SHARED_COPIES_SUPPORTED else None
-        self._mapping = (self._file.mapping if self._file is not None
-                         else mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._file = SharedCopy(self.nbytes) if shareable and SHARED_COPIES_SUPPORTED else None
+        if self._file is not None:
+            self._mapping = self._file.mapping
+            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        else:
+            self._mapping, self.tensor = _anonymous(self.nbytes, huge_pages=not shareable)
+        self.huge_pages = not shareable and huge_pages_offered()
         self.address = self.tensor.data_ptr()
         self.lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, bytes), by offset, never adjacent
@@ -155,22 +166,52 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-# Per process, every arena it made, the current one last: none is ever unmapped.
-_arenas: dict[int, list[StagingArena]] = {}
+HUGE_PAGE_BYTES = 2 << 20
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_offered() -> bool:
+    """Whether the kernel gives anonymous memory transparent huge pages when advised to."""
+    try:
+        with open(THP_SETTING) as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
+
+
+def _anonymous(nbytes: int, huge_pages: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    """A private anonymous mapping and a view of ``nbytes`` of it; with ``huge_pages``, the
+    view starts on a huge page's boundary (one more huge page is mapped for that) and the
+    mapping is advised into huge pages."""
+    if not (huge_pages and hasattr(mmap, "MADV_HUGEPAGE")):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: small pages work the same
+        pass
+    return mapping, whole[start:start + nbytes]
+
+
+# Per process and kind (shareable or not), every arena it made, the current one last: none is ever unmapped.
+_arenas: dict[tuple[int, bool], list[StagingArena]] = {}
 _arenas_lock = threading.Lock()
 
 
-def staging_arena(nbytes: int) -> StagingArena:
-    """This process's arena, of at least ``nbytes`` (a forked child makes its own).
+def staging_arena(nbytes: int, shareable: bool = True) -> StagingArena:
+    """This process's arena of that kind, of at least ``nbytes`` (a forked child makes its own).
 
     A process serves one engine, so one arena; where several producers share a process (the
     tests do) and one asks for more than the arena has, a larger one takes its place for
     new leases. The old one stays mapped, as every arena does until the process ends, so its
     addresses are never registered again."""
     with _arenas_lock:
-        arenas = _arenas.setdefault(os.getpid(), [])
+        arenas = _arenas.setdefault((os.getpid(), shareable), [])
         if not arenas or arenas[-1].nbytes < nbytes:
-            arenas.append(StagingArena(nbytes))
+            arenas.append(StagingArena(nbytes, shareable))
         return arenas[-1]
 
 

@@ -4,16 +4,19 @@ cache by each path a consumer on this host has, from the same producer process.
 ::
 
     this process (consumer: paged cache, pulls)      producer process (BlockServer, leases)
-        ── stage(path's staging, blocks) ──────────▶  copies blocks into the arena or a memfd
+        ── stage(path's arena, blocks) ────────────▶  copies blocks into that staging arena
         ◀─ PullSource ─────────────────────────────
         timed: the pull, as the connector makes it, until the blocks lie in the cache
         ── release(handle) ────────────────────────▶  (the consumer's acknowledgement)
 
 Paths (``PATHS``): ``direct``, NIXL READs of the lease in the producer's staging arena
-straight into the cache rows (``transfer.direct_reads``); ``shared``, ``preadv`` from the
-lease's memfd (``transfer.shared_copies``); ``nixl-link``, the arena lease's frames over a
-nixl link, READ into the link's buffer and scattered; ``frames``, the memfd lease's frames
-on the endpoint's connection, scattered. A fresh lease per pull, so nothing is cached between
+straight into the cache rows (``transfer.direct_reads``); ``shared``, ``preadv`` of the
+lease's region of the arena's memfd, then its confirmation (``transfer.shared_copies``);
+``nixl-link``, the lease's frames over a nixl link, READ into the link's buffer and
+scattered; ``frames``, the lease's frames on the endpoint's connection, scattered. The
+producer stages as the connector does (``transfer.connector_worker``): for the NIXL paths
+into the arena of a producer that forces nixl (private memory in huge pages), for the others
+into the arena consumers open as a file. A fresh lease per pull, so nothing is cached between
 pulls; the destination blocks are scattered as an allocator hands them out. One warm-up
 per path and size (it also opens the link and loads the NIXL peer), whose blocks are
 checked against the producer's pattern; then the repetitions, the paths' order rotating so
@@ -33,7 +36,7 @@ from foundation import cluster_keys, zmq_auth
 
 PATHS = ("direct", "shared", "nixl-link", "frames")
 NIXL_PATHS = ("direct", "nixl-link")
-STAGING = {"direct": "arena", "shared": "shared", "nixl-link": "arena", "frames": "shared"}
+SHAREABLE = {"direct": False, "shared": True, "nixl-link": False, "frames": True}  # the path's arena
 BLOCK_TOKENS = 128  # a vLLM CPU block
 DEADLINE_SECONDS = 60.0
 
@@ -58,7 +61,6 @@ def producer_main(connection, keys_folder: str, bytes_per_token: int, num_layers
     from transfer.counters import Counters
     from transfer.kv_layout import PagedKVCache, block_index_tensor
     from transfer.leases import Lease, LeaseTable
-    from transfer.shared_copies import stage_shared
     from transfer.staging_arena import stage_in_arena, staging_arena
     from transfer.transports.settings import TransportSettings
 
@@ -73,20 +75,18 @@ def producer_main(connection, keys_folder: str, bytes_per_token: int, num_layers
     address = tcp("127.0.0.1", free_port())
     server = BlockServer(address, cache, leases, Counters(), link_settings=TransportSettings(backend="nixl"))
     server.start()
-    arena = staging_arena(num_blocks * cache.spec.bytes_per_block)
+    arenas = {shareable: staging_arena(num_blocks * cache.spec.bytes_per_block, shareable)
+              for shareable in (True, False)}
     connection.send(address)
     for serial, (op, *args) in enumerate(iter(connection.recv, ("stop",))):
         if op == "stage":
-            staging, count = args
+            shareable, count = args
             block_ids = block_index_tensor(range(count))
             lease = Lease(f"lease-{serial}", f"request-{serial}", tuple(range(count)), count * BLOCK_TOKENS,
                           time.monotonic() + DEADLINE_SECONDS)
             leases.grant(lease, staging_bytes=count * cache.spec.bytes_per_block)
-            if staging == "arena":
-                layers, region = stage_in_arena(cache, block_ids, arena)
-                leases.finish_staging(lease.handle, layers, region=region)
-            else:
-                leases.finish_staging(lease.handle, *stage_shared(cache, block_ids))
+            layers, region = stage_in_arena(cache, block_ids, arenas[shareable])
+            leases.finish_staging(lease.handle, layers, region=region)
             connection.send(lease.handle)
         else:
             leases.release(args[0])
@@ -174,7 +174,7 @@ def measure_into_cache(keys_folder: str, bytes_per_token: int, num_layers: int, 
             samples = {path: [] for path in paths}
             for rep in range(reps + 1):
                 for path in paths[rep % len(paths):] + paths[:rep % len(paths)]:
-                    connection.send(("stage", STAGING[path], count))
+                    connection.send(("stage", SHAREABLE[path], count))
                     handle = connection.recv()
                     started = time.perf_counter()
                     consumer.pull(path, handle, positions, local_ids)

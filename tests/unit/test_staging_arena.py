@@ -7,8 +7,9 @@ import time
 
 import torch
 
+import transfer.staging_arena as staging_arena_module
 from transfer.leases import Lease, LeaseTable
-from transfer.staging_arena import ALIGNMENT, StagingArena, staging_arena
+from transfer.staging_arena import ALIGNMENT, HUGE_PAGE_BYTES, StagingArena, huge_pages_offered, staging_arena
 
 
 class FakeHold:
@@ -84,3 +85,30 @@ def test_one_arena_per_process_replaced_only_by_a_larger_one():
     assert staging_arena(ALIGNMENT) is arena
     larger = staging_arena(arena.nbytes + ALIGNMENT)
     assert larger is not arena and staging_arena(ALIGNMENT) is larger
+
+
+def test_an_arena_only_nixl_reads_is_private_memory_on_a_huge_page_boundary():
+    arena = StagingArena(3 * ALIGNMENT, shareable=False)
+    assert not arena.shared and arena.file_ref(1) is None
+    assert arena.address % HUGE_PAGE_BYTES == 0 and arena.tensor.numel() == arena.nbytes
+    assert arena.huge_pages == huge_pages_offered()
+    region = arena.allocate(ALIGNMENT)
+    region.tensor.fill_(7)  # writable, and the region is no shared copy for a consumer to open
+    assert region.shared_ref(1, pin=0) is None and int(arena.tensor[:ALIGNMENT].sum()) == 7 * ALIGNMENT
+
+
+def test_the_shareable_and_the_private_arena_of_a_process_are_separate():
+    shared, private = staging_arena(ALIGNMENT), staging_arena(ALIGNMENT, shareable=False)
+    assert private is not shared and staging_arena(ALIGNMENT, shareable=False) is private
+    assert staging_arena(ALIGNMENT) is shared and not private.shared
+
+
+def test_huge_pages_are_offered_unless_the_kernel_says_never(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    for text, offered in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
+                          ("always madvise [never]\n", False)):
+        setting.write_text(text)
+        monkeypatch.setattr(staging_arena_module, "THP_SETTING", str(setting))
+        assert huge_pages_offered() is offered, text
+    monkeypatch.setattr(staging_arena_module, "THP_SETTING", str(tmp_path / "missing"))
+    assert huge_pages_offered() is False
