@@ -31,6 +31,7 @@ from foundation.launcher import (
     launch_worker,
     stop_all,
 )
+from foundation.log_setup import LOG_FORMAT
 from foundation.model_prep import resolve_model
 from foundation.netutil import free_port, tcp
 from foundation.wire import ROLES
@@ -245,7 +246,7 @@ async def _race(api: asyncio.Task, waiting) -> bool:
 
 def run_serve(orchestrator: OrchestratorSettings, pool: PoolSettings) -> int:
     logging.basicConfig(level=orchestrator.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     try:
         # uvicorn's loop="uvloop" only applies when uvicorn owns the loop; here serve() does.
         with run_keys(orchestrator) as orchestrator, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

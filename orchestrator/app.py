@@ -13,6 +13,7 @@ import uvloop
 from fastapi import APIRouter, FastAPI
 
 from foundation import tracing, zmq_auth
+from foundation.log_setup import LOG_FORMAT
 from foundation.model_fingerprint import model_fingerprint
 from orchestrator.admin_routes import admin_routers
 from orchestrator.api import ApiContext, build_routers
@@ -127,7 +128,7 @@ def _http_app(app: FastAPI, settings: OrchestratorSettings, metrics: Metrics, ro
 
 def run_orchestrator(settings: OrchestratorSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     settings.configure_security()
     settings.configure_tracing()
     servers = listeners(create_apps(settings), settings, graceful_seconds=10)

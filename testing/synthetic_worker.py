@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation import tracing, wire, zmq_auth
+from foundation.log_setup import LOG_FORMAT
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context
 from transfer.request_params import PARAMS_KEY, prompt_digest
@@ -259,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     zmq_auth.configure_from_flags(args.cluster_keys, args.insecure_no_auth, "worker",
                                   args.transfer_encryption == "on")
     settings = WorkerSettings(role=args.role, model=args.model, orchestrators=tuple(args.orchestrator),

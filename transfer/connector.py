@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from foundation import zmq_auth
+from foundation.log_setup import show_kvroute_logs
 from transfer.connector_scheduler import ConnectorScheduler
 from transfer.connector_worker import ConnectorWorker
 from transfer.metadata import KVRouteConnectorMetadata
@@ -44,6 +45,7 @@ class KVRouteConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
+        show_kvroute_logs()  # vLLM's engine processes: kvroute's lines reach the worker's log
         settings = ConnectorSettings.from_extra_config(
             dict(self._kv_transfer_config.kv_connector_extra_config))
         # The engine's own process: it speaks on the transfer endpoint, so it needs the keys.

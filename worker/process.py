@@ -22,6 +22,7 @@ import zmq
 
 from foundation import tracing, wire, zmq_auth
 from foundation.endpoint_client import PullFailed, fetch_pull_records, fetch_transfer_stats, release_all_leases
+from foundation.log_setup import LOG_FORMAT
 from foundation.model_fingerprint import model_fingerprint
 from foundation.netutil import flush_async_context, tcp
 from worker.cores import core_binding
@@ -198,7 +199,7 @@ class Worker:
 
 
 def run_worker(settings: WorkerSettings, ready_file: Path | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     zmq_auth.configure_from_flags(settings.cluster_keys, settings.insecure_no_auth, "worker",
                                   settings.transfer_encryption)
     settings = settings.with_ports()  # its worker id names it in traces

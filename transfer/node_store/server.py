@@ -24,6 +24,7 @@ import threading
 import zmq
 
 from foundation import wire, zmq_auth
+from foundation.log_setup import LOG_FORMAT
 from transfer.node_store.settings import NodeStoreSettings
 from transfer.node_store.store import NodeStore, RequestRefused
 
@@ -105,7 +106,7 @@ def run_node_store(settings: NodeStoreSettings, cluster_keys: str, insecure_no_a
                    transfer_encryption: bool, ready=None) -> None:
     """The ``kvroute node-store`` process: serve until SIGTERM or SIGINT. ``ready``: called
     with the bound address once it serves."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     zmq_auth.configure_from_flags(cluster_keys, insecure_no_auth, "worker", transfer_encryption)
     server = NodeStoreServer(settings)
     for signum in (signal.SIGTERM, signal.SIGINT):
