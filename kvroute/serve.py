@@ -94,6 +94,9 @@ class PoolSettings:
     long_prefill_tokens: int = setting(-1, "most tokens of one prompt in an engine step while other requests "
                                            "run or wait, given to every worker; -1: the role's default (256 on "
                                            "prefill and decode workers, none on unified ones), 0: no cap")
+    step_tokens: int = setting(0, "most prompt tokens one engine step computes over all requests, given to every "
+                                  "worker; smaller steps bound how long running streams wait for their next "
+                                  "token; 0: vLLM's default (2048)")
 
     def __post_init__(self):
         if self.topology.strip().lower() != AUTO:
@@ -102,6 +105,8 @@ class PoolSettings:
             raise ValueError("cores_per_engine must be at least 1")
         if self.long_prefill_tokens < -1:
             raise ValueError("long_prefill_tokens must be -1 (the role's default), 0 (no cap) or positive")
+        if self.step_tokens < 0:
+            raise ValueError("step_tokens must be 0 (vLLM's default) or positive")
         if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
             raise ValueError("KV cache sizes must be positive")
         check_transfer_link(self.transfer_link)
@@ -131,6 +136,7 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             *([] if pool.shared_copies else ["--no-shared-copies"]),
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
             *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),
+            *(["--step-tokens", str(pool.step_tokens)] if pool.step_tokens else []),
             *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
             "--transfer-encryption", orchestrator.transfer_encryption,
             # One trace follows a request through the orchestrator and its workers.

@@ -50,15 +50,14 @@ def read_descriptors(segments: np.ndarray, remote_layers: Sequence[int],
     layer: (local, remote), row i of one paired with row i of the other."""
     if len(remote_layers) != len(local_layers):
         raise ValueError(f"{len(remote_layers)} remote layers for {len(local_layers)} local ones")
-    count = len(segments)
-    local = np.zeros((count * len(local_layers), 3), dtype=np.int64)
+    count, layers = len(segments), len(local_layers)
+    local = np.zeros((layers, count, 3), dtype=np.int64)
     remote = np.zeros_like(local)
-    for layer, (remote_start, local_start) in enumerate(zip(remote_layers, local_layers)):
-        rows = slice(layer * count, (layer + 1) * count)
-        remote[rows, 0] = remote_start + segments[:, 0]
-        local[rows, 0] = local_start + segments[:, 1]
-        remote[rows, 1] = local[rows, 1] = segments[:, 2]
-    return local, remote
+    # All layers at once (a loop over them cost ~60 us a pull for 24 layers, on the pull's path).
+    remote[:, :, 0] = np.asarray(remote_layers, dtype=np.int64)[:, None] + segments[:, 0]
+    local[:, :, 0] = np.asarray(local_layers, dtype=np.int64)[:, None] + segments[:, 1]
+    remote[:, :, 1] = local[:, :, 1] = segments[:, 2]
+    return local.reshape(-1, 3), remote.reshape(-1, 3)
 
 
 def _check_range(values: Sequence[int], limit: int, what: str) -> None:

@@ -64,10 +64,11 @@ def assert_loaded_not_recomputed(record, before, after, shared: bool = True) -> 
     assert producer_after.transfer.leases_released > producer_before.transfer.leases_released
 
 
-async def lend_then_die(role: str, log_dir, prompt: list[int], request_id: str) -> wire.GenerateChunk:
-    """A fresh worker of ``role`` prefills ``prompt`` under a lease and is killed before anyone
-    pulls: the first chunk, whose ``pull_source`` now points at nothing."""
-    doomed = start_worker(role, log_dir, "0")
+async def lend_then_die(role: str, log_dir, prompt: list[int], request_id: str,
+                        extra: tuple[str, ...] = ()) -> wire.GenerateChunk:
+    """A fresh worker of ``role`` (with flags ``extra``) prefills ``prompt`` under a lease and
+    is killed before anyone pulls: the first chunk, whose ``pull_source`` now points at nothing."""
+    doomed = start_worker(role, log_dir, "0", list(extra))
     doomed.wait_ready(START_TIMEOUT)
     doomed_client = WorkerClient(doomed.rpc_address)
     try:
@@ -79,3 +80,40 @@ async def lend_then_die(role: str, log_dir, prompt: list[int], request_id: str) 
     finally:
         await doomed_client.close()
         doomed.kill()
+
+
+async def assert_a_killed_producer_costs_only_a_recompute(puller: WorkerClient, role: str, log_dir,
+                                                         prompt: list[int], name: str,
+                                                         extra: tuple[str, ...] = ()) -> str:
+    """A producer of ``role`` lends ``prompt``'s KV and dies; ``puller``'s pull of it fails
+    (counted, nothing received) and the engine recomputes: the 32 tokens match ``puller``'s own
+    (or part at a near-tie). Returns the verdict."""
+    head = await lend_then_die(role, log_dir, prompt, name, extra)
+    reference = [c async for c in puller.generate(wire.GenerateRequest(
+        request_id=f"{name}-ref", prompt_token_ids=prompt, cache_salt=f"reference-{name}",
+        sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))]
+    before = await puller.stats()
+    rest = [c async for c in puller.generate(wire.GenerateRequest(
+        request_id=f"{name}-decode", prompt_token_ids=prompt + head.token_ids,
+        sampling=wire.SamplingSpec(max_tokens=31), pull_from=head.pull_source))]
+    after = await wait_idle(puller)
+    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
+    assert after.transfer.bytes_received == before.transfer.bytes_received
+    assert after.transfer.direct_pulls == before.transfer.direct_pulls
+    output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
+    verdict = compare_with_reference(output, reference)
+    assert len(output) == 32 and (verdict == "identical" or verdict.startswith("diverged at a near-tie")), verdict
+    return verdict
+
+
+def compare_with_reference(output: list[int], reference: list[wire.GenerateChunk]) -> str:
+    """'identical', or where the output first differs and the reference's top-2 gap there."""
+    tokens = [t for chunk in reference for t in chunk.token_ids]
+    logprobs = [lp for chunk in reference for lp in (chunk.logprobs or [])]
+    for position, (ours, theirs) in enumerate(zip(output, tokens)):
+        if ours != theirs:
+            ranked = logprobs[position].logprobs
+            gap = ranked[0] - ranked[1]
+            kind = "diverged at a near-tie" if gap < 0.05 else "diverged"
+            return f"{kind}: position {position}, top-2 gap {gap:.4f}"
+    return "identical"

@@ -35,9 +35,10 @@ from tests.contract.transfer_endpoint import lying
 from tests.e2e.disagg import (
     GREEDY_32,
     TOPICS,
+    assert_a_killed_producer_costs_only_a_recompute,
     assert_loaded_not_recomputed,
     chat_prompt,
-    lend_then_die,
+    compare_with_reference,
     question,
     transfer_delta,
 )
@@ -193,37 +194,9 @@ async def test_malformed_frames_get_errors_and_worker_stays_up(clients, engines,
 
 
 async def test_prefill_worker_killed_before_pull_falls_back_to_recompute(clients, engines, tokenizer, tmp_path):
-    prompt = chat_prompt(tokenizer, question(5))
-    head = await lend_then_die("prefill", tmp_path, prompt, "doomed")
-    reference = await _collect_chunks(clients.decode, wire.GenerateRequest(
-        request_id="doomed-ref", prompt_token_ids=prompt, cache_salt="reference-doomed",
-        sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))
-    before = await clients.decode.stats()
-    decode_sampling = wire.SamplingSpec(max_tokens=31)
-    rest = await _collect_chunks(clients.decode, wire.GenerateRequest(
-        request_id="doomed-decode", prompt_token_ids=prompt + head.token_ids, sampling=decode_sampling,
-        pull_from=head.pull_source))
-    after = await wait_idle(clients.decode)
-    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
-    assert after.transfer.bytes_received == before.transfer.bytes_received
-    output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
-    assert len(output) == 32
-    verdict = compare_with_reference(output, reference)
+    verdict = await assert_a_killed_producer_costs_only_a_recompute(
+        clients.decode, "prefill", tmp_path, chat_prompt(tokenizer, question(5)), "doomed")
     print(f"prefill killed before pull: {verdict}")
-    assert verdict == "identical" or verdict.startswith("diverged at a near-tie")
-
-
-def compare_with_reference(output: list[int], reference: list[wire.GenerateChunk]) -> str:
-    """'identical', or where the output first differs and the reference's top-2 gap there."""
-    tokens = [t for chunk in reference for t in chunk.token_ids]
-    logprobs = [lp for chunk in reference for lp in (chunk.logprobs or [])]
-    for position, (ours, theirs) in enumerate(zip(output, tokens)):
-        if ours != theirs:
-            ranked = logprobs[position].logprobs
-            gap = ranked[0] - ranked[1]
-            kind = "diverged at a near-tie" if gap < 0.05 else "diverged"
-            return f"{kind}: position {position}, top-2 gap {gap:.4f}"
-    return "identical"
 
 
 async def _collect_chunks(client: WorkerClient, request: wire.GenerateRequest) -> list[wire.GenerateChunk]:

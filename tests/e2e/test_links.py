@@ -18,7 +18,14 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster import run_disaggregated, run_single, running_workers
-from tests.e2e.disagg import GREEDY_32, assert_loaded_not_recomputed, chat_prompt, question, transfer_delta
+from tests.e2e.disagg import (
+    GREEDY_32,
+    assert_a_killed_producer_costs_only_a_recompute,
+    assert_loaded_not_recomputed,
+    chat_prompt,
+    question,
+    transfer_delta,
+)
 from transfer.transports.nixl_agent import nixl_missing
 
 _nixl = pytest.mark.skipif(bool(nixl_missing()), reason="nixl_cu12 is not installed")
@@ -66,3 +73,13 @@ async def test_outputs_over_a_link_are_identical_to_a_single_engine(clients, tok
     if link == "auto":  # measured once, and both ends kept the same choice
         assert [s.transfer.links_measured for s in stats] == [1, 1]
         assert stats[0].transfer.link_measurements == stats[1].transfer.link_measurements
+
+
+async def test_a_killed_producer_costs_only_a_recompute_with_nixl(clients, tokenizer, link, tmp_path):
+    """Once, with nixl forced (the default path's is test_disagg's): the dead producer's lease
+    is never READ, the pull fails and the decode worker recomputes."""
+    if link != "nixl":
+        pytest.skip("run with the nixl link only")
+    await assert_a_killed_producer_costs_only_a_recompute(
+        clients.decode, "prefill", tmp_path, chat_prompt(tokenizer, question(5)), "doomed-nixl",
+        ("--transfer-link", "nixl"))

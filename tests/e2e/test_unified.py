@@ -15,13 +15,12 @@ from orchestrator.worker_client import WorkerClient
 from tests.cluster import START_TIMEOUT, Clients, run_disaggregated, run_single, start_worker, wait_idle
 from tests.e2e.disagg import (
     GREEDY_32,
+    assert_a_killed_producer_costs_only_a_recompute,
     assert_loaded_not_recomputed,
     chat_prompt,
-    lend_then_die,
     question,
     transfer_delta,
 )
-from tests.e2e.test_disagg import compare_with_reference
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +67,8 @@ async def test_replicas_hand_prompts_to_each_other_in_both_directions(clients, t
 
 
 async def test_a_replica_killed_before_the_pull_costs_only_a_recompute(clients, tokenizer, tmp_path):
-    prompt = chat_prompt(tokenizer, question(4))
-    head = await lend_then_die("unified", tmp_path, prompt, "u-doomed")
-    puller = clients[1]
-    reference = [c async for c in puller.generate(wire.GenerateRequest(
-        request_id="u-doomed-ref", prompt_token_ids=prompt, cache_salt="reference-u-doomed",
-        sampling=wire.SamplingSpec(max_tokens=32, logprobs=2)))]
-    before = await puller.stats()
-    rest = [c async for c in puller.generate(wire.GenerateRequest(
-        request_id="u-doomed-decode", prompt_token_ids=prompt + head.token_ids,
-        sampling=wire.SamplingSpec(max_tokens=31), pull_from=head.pull_source))]
-    after = await wait_idle(puller)
-    assert after.transfer.pulls_failed == before.transfer.pulls_failed + 1
-    assert after.transfer.bytes_received == before.transfer.bytes_received
-    output = head.token_ids + [t for chunk in rest for t in chunk.token_ids]
-    verdict = compare_with_reference(output, reference)
-    assert len(output) == 32 and (verdict == "identical" or verdict.startswith("diverged at a near-tie")), verdict
+    await assert_a_killed_producer_costs_only_a_recompute(
+        clients[1], "unified", tmp_path, chat_prompt(tokenizer, question(4)), "u-doomed")
 
 
 async def run_pulled(source: WorkerClient, sink: WorkerClient, request_id: str, prompt: list[int],

@@ -89,6 +89,15 @@ def test_worker_args_bind_cores_and_budget_of_their_engine():
     assert args[args.index("--kv-cache-gib") + 1] == "0.75"
 
 
+def test_serve_gives_every_worker_its_step_budget_and_leaves_the_engines_default_at_0():
+    engine = plan_topology("1u", cores=[0, 1], gpus=0, kv_cache_gib=0.5).engines[0]
+    args = worker_args(PoolSettings(step_tokens=1024), OrchestratorSettings(), "model", engine)
+    assert args[args.index("--step-tokens") + 1] == "1024"
+    assert "--step-tokens" not in worker_args(PoolSettings(), OrchestratorSettings(), "model", engine)
+    with pytest.raises(ValueError, match="step_tokens"):
+        PoolSettings(step_tokens=-1)
+
+
 def test_engines_on_gpus_are_not_bound_to_cores():
     engine = plan_topology("1u", cores=[0, 1], gpus=1, kv_cache_gib=0.5).engines[0]
     assert "--omp-threads-bind" not in worker_args(PoolSettings(), OrchestratorSettings(), "model", engine)
