@@ -107,6 +107,7 @@ class SyntheticEngine:
     failing: bool = False  # failure injection: every generate raises (see the module docstring)
     pulls: dict[str, wire.PullRecord] = field(default_factory=dict)  # acted-out pulls, until reported
     last_step_end: float = field(default_factory=time.monotonic)
+    priorities: dict[str, int] = field(default_factory=dict)  # each request's, as the worker gave it
     _running: asyncio.Event = field(default_factory=asyncio.Event)  # cleared while hanging
 
     def __post_init__(self):
@@ -130,7 +131,9 @@ class SyntheticEngine:
         await self._running.wait()  # a step under way when the engine hung ends when it goes on
         self.last_step_end = time.monotonic()
 
-    async def generate(self, prompt: dict, params, request_id: str):
+    async def generate(self, prompt: dict, params, request_id: str, priority: int = 0):
+        """Every request runs at once (no queue for ``priority`` to order); it is recorded."""
+        self.priorities[request_id] = priority
         if self.failing:
             raise RuntimeError("injected failure (SIGUSR1)")
         tokens = list(prompt["prompt_token_ids"])

@@ -9,6 +9,7 @@ from pathlib import Path
 from foundation.tracing import add_tracing_arguments
 from foundation.zmq_auth import add_security_arguments
 from transfer.link_names import CHECKSUM_CHOICES, DEFAULT_TRANSFER_CHECKSUM, LINK_CHOICES, transfer_checksum_on
+from worker.prompt_priority import SCHEDULING
 from worker.settings import WorkerSettings
 
 
@@ -61,6 +62,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=int, default=None,
                         help="most prompt tokens one engine step computes over all requests "
                              "(default: the engine's, 2048)")
+    parser.add_argument("--scheduling", choices=SCHEDULING, default=defaults.scheduling,
+                        help="which waiting prompt the engine computes first: fcfs (vLLM's arrival order) or "
+                             "shortest-first (the shortest expected prefill, a long prompt overtaken only by "
+                             "prompts arriving within about its own prefill time; default: %(default)s)")
     parser.add_argument("--probe-tokens", type=int, default=defaults.probe_tokens,
                         help="tokens of the timed prefill at start-up that tells orchestrators how fast "
                              "this worker prefills before its first request; 0: none (default: %(default)s)")
@@ -118,7 +123,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         pull_timeout_seconds=args.pull_timeout_seconds, drain_seconds=args.drain_seconds,
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
-        step_tokens=args.step_tokens, probe_tokens=args.probe_tokens,
+        step_tokens=args.step_tokens, scheduling=args.scheduling, probe_tokens=args.probe_tokens,
         transfer_link=args.transfer_link, transfer_link_hosts=args.transfer_link_hosts,
         shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,

@@ -12,6 +12,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from foundation.netutil import tcp
 from worker.block_size import resolve_here as resolve_block_size
 from worker.engine_stats import EngineStats
+from worker.prompt_priority import engine_policy
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger("kvroute.worker.engine")
@@ -79,6 +80,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         seed=settings.seed,
         long_prefill_token_threshold=settings.long_prefill_step_tokens,
         max_num_batched_tokens=settings.step_tokens,
+        scheduling_policy=engine_policy(settings.scheduling),
         kv_transfer_config=kv_transfer_config(settings),
         kv_events_config=kv_events_config(settings),
         disable_log_stats=False,

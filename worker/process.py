@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from worker.event_relay import EventRelay
 from worker.heartbeat import HeartbeatSender, heartbeat_of
 from worker.node_store_link import NodeStoreLink
 from worker.prefill_probe import probe_prefill
-from worker.queued_prefill import head_prompt_age, queued_prefill
+from worker.prompt_priority import SHORTEST_FIRST, PromptPriorities
+from worker.queued_prefill import QueuedPrompt, head_prompt_age, queued_prefill
 from worker.resident import ResidentBlocks, follow
 from worker.rpc_server import RpcServer
 from worker.settings import WorkerSettings
@@ -77,7 +79,8 @@ class Worker:
             tasks = [asyncio.create_task(follow(self.resident, relay.local_address, KV_EVENTS_TOPIC))]
             self.server = RpcServer(self.engine, tcp(self.settings.bind_host, self.settings.rpc_port),
                                     self.worker_stats, self.snapshot, self.reset_cache, self.transfer_of,
-                                    model=self.settings.model, tier_events=self.node_store.events)
+                                    model=self.settings.model, tier_events=self.node_store.events,
+                                    priority_of=self._priority_of())
             heartbeats = HeartbeatSender(self.settings.orchestrators, self.heartbeat,
                                          self.settings.orchestrator_resolve_seconds,
                                          status_writer(self.settings, self.engine_problem, self.draining))
@@ -91,6 +94,16 @@ class Worker:
         finally:
             self.engine.shutdown()
             relay.stop()
+
+    def _priority_of(self) -> Callable[[QueuedPrompt], int] | None:
+        """Each request's engine priority under --scheduling shortest-first (after the probe,
+        whose rate it uses); None under vLLM's own order."""
+        if self.settings.scheduling != SHORTEST_FIRST:
+            return None
+        priorities = PromptPriorities(self.prefill_probe)
+        logger.info("waiting prompts go shortest expected prefill first (%.0f prompt tokens a second)",
+                    priorities.tokens_per_second)
+        return lambda prompt: priorities.of(prompt.tokens_left(self.resident))
 
     async def _transfer_stats(self, attempts: int = 1) -> wire.TransferStatsReply:
         for attempt in range(attempts):

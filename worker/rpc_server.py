@@ -41,9 +41,11 @@ class RpcServer:
 
     def __init__(self, engine, bind_address: str, stats: StatsProvider, snapshot: SnapshotProvider,
                  reset_cache: ResetHandler, transfer_of: TransferLookup, model: str = "",
-                 tier_events: TierEventsProvider | None = None):
+                 tier_events: TierEventsProvider | None = None,
+                 priority_of: Callable[[QueuedPrompt], int] | None = None):
         """``model``: the engine's model (folder or hub id), named in the request spans;
-        ``tier_events``: its node store's events, passed on (None: it has no store)."""
+        ``tier_events``: its node store's events, passed on (None: it has no store);
+        ``priority_of``: each request's priority for the engine (worker.prompt_priority; None: 0)."""
         self.engine = engine
         self.model = model
         self._stats = stats
@@ -51,6 +53,7 @@ class RpcServer:
         self._reset_cache = reset_cache
         self._transfer_of = transfer_of
         self._tier_events = tier_events
+        self._priority_of = priority_of
         self._context = async_context()
         self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker")
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -196,10 +199,12 @@ class RpcServer:
 
     async def _generate(self, identity: bytes, request: wire.GenerateRequest) -> None:
         request_id = request.request_id
-        self.prompts_waiting[request_id] = QueuedPrompt(request)
+        prompt = self.prompts_waiting[request_id] = QueuedPrompt(request)
         spans = request_spans(request, self.model)
         try:
-            stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id)
+            priority = self._priority_of(prompt) if self._priority_of is not None else 0
+            stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id,
+                                          priority=priority)
             first = True
             async for output in stream:
                 self.prompts_waiting.pop(request_id, None)

@@ -21,6 +21,7 @@ from transfer.link_names import (
 )
 from transfer.node_store.settings import check_loopback_or_ipc
 from worker.orchestrator_targets import DEFAULT_RESOLVE_SECONDS, parse_entry
+from worker.prompt_priority import FCFS, check_scheduling
 
 DECODE_LONG_PREFILL_TOKENS = 256
 PREFILL_LONG_PREFILL_TOKENS = 256
@@ -73,6 +74,9 @@ class WorkerSettings:
     # Most prompt tokens one engine step computes over all requests; None: vLLM's default
     # (2,048). Smaller steps bound how long every running request waits for its next token.
     step_tokens: int | None = None
+    # Which waiting prompt the engine computes first: vLLM's arrival order, or the shortest
+    # expected prefill (worker.prompt_priority).
+    scheduling: str = FCFS
     # Tokens of the timed prefill at start-up that calibrates orchestrators' cost models
     # (worker.prefill_probe); 0: none.
     probe_tokens: int = 128
@@ -113,6 +117,7 @@ class WorkerSettings:
             raise ValueError("long_prefill_tokens must not be negative")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError("step_tokens must be positive")
+        check_scheduling(self.scheduling)
         if not 0 <= self.probe_tokens < self.max_model_len:
             raise ValueError(f"probe_tokens must be in 0..{self.max_model_len - 1} (below max_model_len)")
         if self.lease_staging_gib < 0:

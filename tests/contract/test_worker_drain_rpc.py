@@ -5,6 +5,7 @@ process (it refuses new requests, finishes the running one, and stops at the dea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -102,8 +103,8 @@ def generate(request_id: str, max_tokens: int) -> wire.GenerateRequest:
                                 sampling=wire.SamplingSpec(max_tokens=max_tokens))
 
 
-@pytest.fixture
-async def synthetic_server():
+@contextlib.asynccontextmanager
+async def serving_synthetic(priority_of=None):
     """A real RPC server over the synthetic engine, its serving task, and a client of it."""
 
     async def unused(*args):
@@ -111,7 +112,7 @@ async def synthetic_server():
 
     address = f"tcp://127.0.0.1:{free_port()}"
     server = RpcServer(SyntheticEngine(SyntheticTiming(token_seconds=0.02), "tcp://127.0.0.1:1"), address,
-                       unused, unused, unused, unused)
+                       unused, unused, unused, unused, priority_of=priority_of)
     serving = asyncio.create_task(server.serve())
     client = WorkerClient(address)
     try:
@@ -120,6 +121,21 @@ async def synthetic_server():
         await client.close()
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
+
+
+@pytest.fixture
+async def synthetic_server():
+    async with serving_synthetic() as served:
+        yield served
+
+
+async def test_each_request_reaches_the_engine_with_the_priority_the_worker_gives_it():
+    async with serving_synthetic(lambda prompt: 7 * len(prompt.request.prompt_token_ids)) as (server, _, client):
+        assert len([c async for c in client.generate(generate("ranked", 2), timeout=5)]) >= 1
+        assert server.engine.priorities == {"ranked": 7 * len(PROMPT)}
+    async with serving_synthetic() as (server, _, client):  # vLLM's own order: every priority 0
+        [_ async for _ in client.generate(generate("unranked", 2), timeout=5)]
+        assert server.engine.priorities == {"unranked": 0}
 
 
 async def test_a_draining_server_refuses_new_requests_and_finishes_the_running_one(synthetic_server):

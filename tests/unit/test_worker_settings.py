@@ -110,3 +110,12 @@ def test_tracing_flags_reach_the_settings_and_bad_ones_are_refused(parser):
         parser.parse_args(["--model", "/models/m", "--otlp-protocol", "thrift"])
     with pytest.raises(ValueError, match="otlp_endpoint"):
         WorkerSettings(role="decode", model="/models/m", otlp_endpoint="collector:4318")
+
+
+def test_scheduling_flag_reaches_the_engine(parser):
+    assert engine_args(settings_of(parser, "unified", "--scheduling", "shortest-first")).scheduling_policy == "priority"
+    assert engine_args(settings_of(parser, "unified", "--scheduling", "fcfs")).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/models/m", "--scheduling", "lifo"])
+    with pytest.raises(ValueError, match="scheduling"):
+        WorkerSettings(role="unified", model="/models/m", scheduling="lifo")
