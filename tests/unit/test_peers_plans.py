@@ -86,6 +86,7 @@ def test_kvroute_tier_adds_a_node_store_of_a_multiple_of_the_budget():
     assert flag(argv, "--log-dir") == "/logs/kvroute-tier-workers" and plan.settings["host_kv_gib"] == 6
     assert "--host-kv-gib" not in plans.kvroute_plan(RES, plans.PeerOptions(), ports(), Path("/logs")).launches[0].argv
     assert plans.KVROUTE_TIER in plans.SYSTEMS and plans.KVROUTE_TIER not in plans.DEFAULT_SYSTEMS
+    assert plans.ROUTER_PD in plans.SYSTEMS and plans.ROUTER_PD not in plans.DEFAULT_SYSTEMS
 
 
 def test_router_pd_runs_only_where_the_nixl_package_imports(monkeypatch):
@@ -163,3 +164,11 @@ def test_bad_arguments_are_refused(argv):
 def test_arguments_are_parsed_into_lists():
     args = cli.COMMAND.parse_args(["--systems", "vllm, router-cache_aware", "--rates", "1,0.5,1"])
     assert args.systems == ["vllm", "router-cache_aware"] and args.rates == [0.5, 1.0]
+
+
+def test_router_pd_beside_other_systems_needs_sequential_runs(capsys):
+    with pytest.raises(SystemExit):
+        cli.COMMAND.parse_args(["--systems", "kvroute,router-pd"])
+    assert "--sequential" in capsys.readouterr().err
+    assert cli.COMMAND.parse_args(["--systems", "kvroute,router-pd", "--sequential"]).sequential
+    assert cli.COMMAND.parse_args(["--systems", "router-pd"]).systems == ["router-pd"]

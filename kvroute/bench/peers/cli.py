@@ -13,7 +13,8 @@ to the best peer), latency_vs_rate.png and goodput.png, and prints the tables.
 Systems: ``kvroute`` (``kvroute serve --topology T --total-kv-gib X``), ``vllm`` (one vLLM
 server on all cores), ``router-cache_aware`` and ``router-kv_aware`` (N vLLM servers behind
 vllm-router 0.1.17, installed on first use into .peers-venv/), ``router-pd`` (vllm-router's
-P/D mode: recorded as skipped, with the reason). See docs/benchmarks.md.
+P/D mode over vLLM servers joined by vLLM's NixlConnector; recorded as skipped, with the reason,
+where the nixl package is missing). See docs/benchmarks.md.
 
 Usage::
 
@@ -97,6 +98,12 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--rates must be positive, --requests, --router-servers and --repeats at least 1")
     if args.total_kv_gib <= 0 or args.ttft_target <= 0 or args.tpot_target <= 0 or args.tier_kv_multiple <= 0:
         parser.error("--total-kv-gib, --tier-kv-multiple and the targets must be positive")
+    if ROUTER_PD in args.systems and len(args.systems) > 1 and not args.sequential:
+        # Measured: its two idle servers took 0.65 cores each, and kvroute's run beside them had a TPOT
+        # P50 of 3.2 s against ~70 ms.
+        parser.error("router-pd's idle vLLM servers keep a core busy each (the progress thread of vLLM's NIXL "
+                     "agent), which would slow every system measured while it is up: add --sequential, or "
+                     "measure router-pd alone")
     if "trace" in args.workloads and not args.trace.exists():
         parser.error(f"the trace workload needs --trace; {args.trace} does not exist")
 

@@ -36,7 +36,8 @@ KVROUTE, KVROUTE_TIER, VLLM, ROUTER_PD = "kvroute", "kvroute-tier", "vllm", "rou
 ROUTER_POLICIES = ("cache_aware", "kv_aware")
 SYSTEMS = (KVROUTE, KVROUTE_TIER, VLLM, *(f"router-{policy}" for policy in ROUTER_POLICIES), ROUTER_PD)
 # kvroute-tier explains (what the node KV tier buys kvroute); it runs when named.
-DEFAULT_SYSTEMS = tuple(system for system in SYSTEMS if system != KVROUTE_TIER)
+# kvroute-tier is no peer; router-pd's idle servers spin (run it alone or --sequential): both only when named.
+DEFAULT_SYSTEMS = tuple(system for system in SYSTEMS if system not in (KVROUTE_TIER, ROUTER_PD))
 LOOPBACK = "127.0.0.1"
 KV_EVENTS_TOPIC = "kv-events"
 
