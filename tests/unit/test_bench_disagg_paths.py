@@ -102,3 +102,40 @@ def test_a_short_run_alternates_the_paths_and_keeps_warm_ups_apart(monkeypatch):
     report.print_tables({"paths": results})
     printed = report.console.end_capture()
     assert "Paths side by side" in printed and "TTFT + gap / default" in printed and "direct_pulls 3" in printed
+
+
+@pytest.mark.parametrize("extra, complaint", [
+    (("--pair-starts", "0"), "at least 1"),
+    (("--pair-starts", "2"), "give two or more --paths"),
+    (("--pair-starts", "2", "--paths", "default", "nixl", "--phases", "ttft"), "give two or more --paths"),
+])
+def test_pair_starts_repeat_only_a_paths_phase(extra, complaint):
+    with pytest.raises(SystemExit, match=complaint):
+        cli.check_phases(arguments(*extra))
+    cli.check_phases(arguments("--pair-starts", "3", "--paths", "default", "nixl", "--phases", "paths"))
+
+
+def test_the_starts_of_the_pairs_are_compared_together_and_each_kept():
+    def start(default_ttft: float, nixl_ttft: float) -> dict:
+        lengths = {"1024": paths.compare({"default": [run(default_ttft, 0.04)], "nixl": [run(nixl_ttft, 0.03)]})}
+        counters = {"default": {"pulls_ok": 1, "link_measurements": []},
+                    "nixl": {"pulls_ok": 1, "link_measurements": ["m"]}}
+        return {"baseline": "default", "warm_up": {"default": {}, "nixl": {}}, "lengths": lengths,
+                "decode_counters": counters}
+
+    # A slow nixl pair in the first start, a slow default pair in the second: pooled, they cancel.
+    pooled = paths.pool_starts([start(0.75, 0.88), start(0.88, 0.75)])
+    entry = pooled["lengths"]["1024"]["nixl"]
+    assert len(entry["runs"]) == 2 and pooled["starts"] == 2 and len(pooled["warm_up"]) == 2
+    # Medians of TTFT + gap over both starts: nixl (0.91, 0.78) against default (0.79, 0.92).
+    assert entry["ratio_vs_baseline"]["ttft_plus_gap_s"] == pytest.approx(0.845 / 0.855)
+    assert pooled["decode_counters"]["nixl"] == {"pulls_ok": 2, "link_measurements": ["m", "m"]}
+    by_start = pooled["ttft_plus_gap_ratio_by_start"]
+    assert by_start[0]["1024"]["nixl"] == pytest.approx(0.91 / 0.79) and by_start[1]["1024"]["nixl"] == pytest.approx(
+        0.78 / 0.92)
+    single = start(0.75, 0.88)
+    assert paths.pool_starts([single]) is single
+    report.console.begin_capture()
+    report.print_tables({"paths": pooled})
+    printed = report.console.end_capture()
+    assert "~1024 tokens, TTFT + gap / default start by start: nixl 1.15x; nixl 0.85x" in printed

@@ -46,7 +46,7 @@ from pathlib import Path
 from kvroute.bench.command import Command
 from kvroute.bench.disagg.context import STATS_TIMEOUT, Context, QuietGate, console, wait_quiet
 from kvroute.bench.disagg.handoff import measure_end_to_end, measure_ttft
-from kvroute.bench.disagg.paths import BASELINE, PATHS, measure_paths
+from kvroute.bench.disagg.paths import BASELINE, PATHS, measure_paths, pool_starts
 from kvroute.bench.disagg.processes import process_affinities
 from kvroute.bench.disagg.prompts import Prompts
 from kvroute.bench.disagg.report import print_tables, verdict
@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=[BASELINE],
                         help="transfer paths, a prefill/decode worker pair each; more than one adds the "
                              "side-by-side phase (default: %(default)s)")
+    parser.add_argument("--pair-starts", type=int, default=1,
+                        help="start every path's pair this many times, --ttft-reps requests each time, and "
+                             "compare the paths over all of them: a pair's prefill worker can compute a "
+                             "prompt a per-process constant faster or slower than another's (default: "
+                             "%(default)s)")
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
                         help="which phases run; 'paths' only with more than one path (default: all)")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -118,6 +123,10 @@ def check_phases(args: argparse.Namespace) -> None:
         raise SystemExit("the end_to_end phase measures at the transfer phase's sizes: add --phases transfer")
     if args.phases == ["paths"] and len(args.paths) < 2:
         raise SystemExit("the paths phase compares two or more --paths")
+    if args.pair_starts < 1:
+        raise SystemExit("--pair-starts must be at least 1")
+    if args.pair_starts > 1 and ("paths" not in args.phases or len(args.paths) < 2):
+        raise SystemExit("--pair-starts repeats the paths phase: give two or more --paths")
     too_long = [n for n in args.ttft_lengths if n + args.max_tokens > args.max_model_len]
     if too_long:
         raise SystemExit(f"TTFT lengths {too_long} do not fit max_model_len {args.max_model_len}")
@@ -215,6 +224,13 @@ def wait_pair(args: argparse.Namespace, model: str, path: str, workers: dict, lo
     return attempts
 
 
+def stop_pairs(pairs: dict[str, dict]) -> None:
+    for name, workers in pairs.items():
+        for role, worker in workers.items():
+            worker.stop()
+            console.log(f"stopped the {name} {role} worker (exit {worker.process.returncode})")
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -275,19 +291,29 @@ def measure_with_workers(args: argparse.Namespace) -> int:
     results_path = output / "results.json"
     try:
         attempts = results["config"]["worker_start_attempts"] = {}
-        for name in args.paths:
-            pairs[name] = launch_pair(args, model, name, log_dir, env)
-        for name, workers in pairs.items():
-            attempts[name] = wait_pair(args, model, name, workers, log_dir, env, started)
-        asyncio.run(measure(args, model, pairs, results))
+        path_starts = []
+        for start in range(args.pair_starts):
+            if start:  # fresh processes for every path (see paths.pool_starts)
+                stop_pairs(pairs)
+                pairs.clear()
+                console.log(f"starting every pair again ({start + 1} of {args.pair_starts})")
+            for name in args.paths:
+                pairs[name] = launch_pair(args, model, name, log_dir, env)
+            for name, workers in pairs.items():
+                attempts.setdefault(name, []).append(wait_pair(args, model, name, workers, log_dir, env, started))
+            # The first start runs every phase; later ones the paths phase alone.
+            phase_args, phase_results = ((args, results) if not start else
+                                         (argparse.Namespace(**{**vars(args), "phases": ["paths"]}), {}))
+            asyncio.run(measure(phase_args, model, pairs, phase_results))
+            if "paths" in phase_results:
+                path_starts.append(phase_results["paths"])
+        if path_starts:
+            results["paths"] = pool_starts(path_starts)
     except BaseException as error:
         results["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
-        for name, workers in pairs.items():
-            for role, worker in workers.items():
-                worker.stop()
-                console.log(f"stopped the {name} {role} worker (exit {worker.process.returncode})")
+        stop_pairs(pairs)
         results["config"]["wall_seconds"] = time.perf_counter() - started
         results_path.write_text(json.dumps(results, indent=2, default=str))
         console.log(f"results written to {results_path}" + (" (partial: the run failed)" if "error" in results else ""))

@@ -61,6 +61,31 @@ def compare(runs: dict[str, list[dict]], baseline: str = BASELINE) -> dict:
     return paths
 
 
+def pool_starts(starts: list[dict]) -> dict:
+    """The phase over several starts of every pair (``--pair-starts``): each length's requests of
+    all starts compared together, the pull counters summed, warm-ups and each start's TTFT + gap
+    ratios kept per start. Why: two pairs' prefill workers, started alike, compute the same prompt
+    a per-process constant apart (up to 18% at ~1024 tokens here, of either sign from one start to
+    the next), which a single start charges to the path; fresh processes at every start spread it
+    over every path."""
+    if len(starts) == 1:
+        return starts[0]
+    first = starts[0]
+    lengths = {length: compare({path: [run for start in starts for run in start["lengths"][length][path]["runs"]]
+                                for path in per_path}, baseline=first["baseline"])
+               for length, per_path in first["lengths"].items()}
+    counters: dict[str, dict] = {}
+    for start in starts:
+        for path, named in start["decode_counters"].items():
+            merged = counters.setdefault(path, {})
+            for name, value in named.items():
+                merged[name] = merged.get(name, [] if isinstance(value, list) else 0) + value
+    by_start = [{length: {path: entry["ratio_vs_baseline"]["ttft_plus_gap_s"] for path, entry in per_path.items()}
+                 for length, per_path in start["lengths"].items()} for start in starts]
+    return {"baseline": first["baseline"], "starts": len(starts), "warm_up": [start["warm_up"] for start in starts],
+            "lengths": lengths, "decode_counters": counters, "ttft_plus_gap_ratio_by_start": by_start}
+
+
 async def measure_paths(contexts: dict) -> dict:
     """``contexts``: a ``context.Context`` per path, the baseline first."""
     console.rule("Paths side by side: " + ", ".join(contexts))

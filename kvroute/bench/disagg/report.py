@@ -112,6 +112,11 @@ def _print_paths(results: dict) -> None:
         f"{path}: " + ", ".join(f"{name} {value}" for name, value in counters.items() if name != "link_measurements")
         for path, counters in paths["decode_counters"].items())
     console.print(table)
+    for length in paths["lengths"] if "ttft_plus_gap_ratio_by_start" in paths else ():
+        console.print(f"~{length} tokens, TTFT + gap / {baseline} start by start: " + "; ".join(
+            ", ".join(f"{path} {fmt(ratio, '.2f', suffix='x')}" for path, ratio in start[length].items()
+                      if path != baseline)
+            for start in paths["ttft_plus_gap_ratio_by_start"]))
 
 
 def _print_verdict(v: dict) -> None:
