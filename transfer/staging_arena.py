@@ -91,12 +91,12 @@ class StagingArena:
         self.nbytes = _aligned(nbytes)
         # Never closed: the arena lives as long as its process, and consumers open its file.
         self._file = SharedCopy(self.nbytes) if shareable and SHARED_COPIES_SUPPORTED else None
+        self.huge_pages = not shareable and huge_pages_offered()
         if self._file is not None:
             self._mapping = self._file.mapping
             self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         else:
-            self._mapping, self.tensor = _anonymous(self.nbytes, huge_pages=not shareable)
-        self.huge_pages = not shareable and huge_pages_offered()
+            self._mapping, self.tensor = _anonymous(self.nbytes, self.huge_pages)
         self.address = self.tensor.data_ptr()
         self.lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, bytes), by offset, never adjacent

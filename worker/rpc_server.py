@@ -53,7 +53,7 @@ class RpcServer:
         self._reset_cache = reset_cache
         self._transfer_of = transfer_of
         self._tier_events = tier_events
-        self._priority_of = priority_of
+        self._priority_of = priority_of or (lambda prompt: 0)
         self._context = async_context()
         self._socket = secure_server(self._context.socket(zmq.ROUTER), "worker")
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -202,9 +202,8 @@ class RpcServer:
         prompt = self.prompts_waiting[request_id] = QueuedPrompt(request)
         spans = request_spans(request, self.model)
         try:
-            priority = self._priority_of(prompt) if self._priority_of is not None else 0
             stream = self.engine.generate(engine_prompt(request), sampling_params(request), request_id,
-                                          priority=priority)
+                                          priority=self._priority_of(prompt))
             first = True
             async for output in stream:
                 self.prompts_waiting.pop(request_id, None)

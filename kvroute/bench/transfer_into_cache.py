@@ -36,7 +36,7 @@ from foundation import cluster_keys, zmq_auth
 
 PATHS = ("direct", "shared", "nixl-link", "frames")
 NIXL_PATHS = ("direct", "nixl-link")
-SHAREABLE = {"direct": False, "shared": True, "nixl-link": False, "frames": True}  # the path's arena
+SHAREABLE = {path: path not in NIXL_PATHS for path in PATHS}  # the path's arena (see the docstring)
 BLOCK_TOKENS = 128  # a vLLM CPU block
 DEADLINE_SECONDS = 60.0
 

@@ -124,8 +124,8 @@ def build_systems(args: argparse.Namespace, resources, log_dir: Path, say) -> li
             built.append(plans.kvroute_plan(resources, options, free_port, log_dir, tier=name == plans.KVROUTE_TIER))
         elif name == plans.VLLM:
             built.append(plans.vllm_plan(resources, options, free_port))
-        elif name == ROUTER_PD and plans.pd_skip_reason():
-            built.append(Skipped(name, plans.pd_skip_reason()))
+        elif name == ROUTER_PD and (why := plans.pd_skip_reason()):
+            built.append(Skipped(name, why))
         else:
             try:
                 binary = str(ensure_router(say=say))

@@ -173,21 +173,25 @@ def router_plan(policy: str, res: Resources, options: PeerOptions, port: Callabl
             events = inbound
         servers.append(vllm_server(f"vllm-{k}", res, options, own, cores, kv_bytes, events))
     front = port()
-    argv = [options.router_binary, "--host", LOOPBACK, "--port", str(front), "--policy", policy,
-            "--worker-urls", *(url(own) for own in ports), "--prometheus-host", LOOPBACK,
-            "--prometheus-port", str(port())]
+    routing = ["--policy", policy, "--worker-urls", *(url(own) for own in ports)]
     if policy == "kv_aware":
         # debug: the router logs each decision's credited prefix tokens (report.kv_aware_credits)
-        argv += [*sources, "--kv-event-block-size", str(res.block_size), "--kv-event-model", res.served_model,
-                 "--log-level", "debug"]
-    router = Launch("router", (*argv, *options.router_args), ready_url=url(front) + "/v1/models",
-                    restart_between_runs=True)
+        routing += [*sources, "--kv-event-block-size", str(res.block_size), "--kv-event-model", res.served_model,
+                    "--log-level", "debug"]
+    router = router_launch(options, front, port, routing)
     return Plan(f"router-{policy}", url(front), (*relays, *servers, router), RESET_ENGINES,
                 tuple(url(own) for own in ports),
                 description=f"vllm-router {policy} over {count} vLLM servers",
                 settings={"policy": policy, "servers": count, "cores": shares,
                           "kv_bytes_each": kv_bytes, "extra_args": list(options.vllm_args),
                           "router_args": list(options.router_args)})
+
+
+def router_launch(options: PeerOptions, front: int, port: Callable[[], int], routing: list[str]) -> Launch:
+    """vllm-router on ``front`` with ``routing`` (its mode, policy and servers), metrics on loopback."""
+    argv = [options.router_binary, "--host", LOOPBACK, "--port", str(front), *routing,
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(port()), *options.router_args]
+    return Launch("router", tuple(argv), ready_url=url(front) + "/v1/models", restart_between_runs=True)
 
 
 def pd_skip_reason() -> str:
@@ -216,15 +220,12 @@ def router_pd_plan(res: Resources, options: PeerOptions, port: Callable[[], int]
                            nixl_role=("kv_producer" if k < prefills else "kv_consumer", port()))
                for k, (own, cores) in enumerate(zip(ports, shares))]
     front = port()
-    argv = [options.router_binary, "--host", LOOPBACK, "--port", str(front), "--vllm-pd-disaggregation",
-            "--kv-connector", "nixl", "--policy", "cache_aware", "--prometheus-host", LOOPBACK,
-            "--prometheus-port", str(port())]
+    routing = ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", "cache_aware"]
     for own in ports[:prefills]:
-        argv += ["--prefill", url(own)]
+        routing += ["--prefill", url(own)]
     for own in ports[prefills:]:
-        argv += ["--decode", url(own)]
-    router = Launch("router", (*argv, *options.router_args), ready_url=url(front) + "/v1/models",
-                    restart_between_runs=True)
+        routing += ["--decode", url(own)]
+    router = router_launch(options, front, port, routing)
     return Plan(ROUTER_PD, url(front), (*servers, router), RESET_ENGINES, tuple(url(own) for own in ports),
                 description=f"vllm-router P/D over {prefills} prefill and {count - prefills} decode vLLM servers "
                             "(vLLM's NixlConnector)",
