@@ -98,6 +98,8 @@ class PoolSettings:
     step_tokens: int = setting(0, "most prompt tokens one engine step computes over all requests, given to every "
                                   "worker; smaller steps bound how long running streams wait for their next "
                                   "token; 0: vLLM's default (2048)")
+    decoding_step_tokens: int = setting(0, "most prompt tokens one engine step computes while any request "
+                                           "decodes, given to every worker (worker.decode_guard); 0: no cap")
     scheduling: str = setting(WorkerSettings.scheduling, "which waiting prompt each engine computes first: fcfs "
                                                           "(vLLM's arrival order) or shortest-first (the shortest "
                                                           "expected prefill; docs/placement.md)")
@@ -111,6 +113,8 @@ class PoolSettings:
             raise ValueError("long_prefill_tokens must be -1 (the role's default), 0 (no cap) or positive")
         if self.step_tokens < 0:
             raise ValueError("step_tokens must be 0 (vLLM's default) or positive")
+        if self.decoding_step_tokens < 0:
+            raise ValueError("decoding_step_tokens must be 0 (no cap) or positive")
         check_scheduling(self.scheduling)
         if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
             raise ValueError("KV cache sizes must be positive")
@@ -142,7 +146,7 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
             *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),
             *(["--step-tokens", str(pool.step_tokens)] if pool.step_tokens else []),
-            "--scheduling", pool.scheduling,
+            "--decoding-step-tokens", str(pool.decoding_step_tokens), "--scheduling", pool.scheduling,
             *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
             "--transfer-encryption", orchestrator.transfer_encryption,
             # One trace follows a request through the orchestrator and its workers.

@@ -11,6 +11,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from foundation.netutil import tcp
 from worker.block_size import resolve_here as resolve_block_size
+from worker.decode_guard import decode_guard_args
 from worker.engine_stats import EngineStats
 from worker.prompt_priority import engine_policy
 from worker.settings import WorkerSettings
@@ -81,6 +82,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         long_prefill_token_threshold=settings.long_prefill_step_tokens,
         max_num_batched_tokens=settings.step_tokens,
         scheduling_policy=engine_policy(settings.scheduling),
+        **decode_guard_args(settings.decoding_step_tokens),
         kv_transfer_config=kv_transfer_config(settings),
         kv_events_config=kv_events_config(settings),
         disable_log_stats=False,

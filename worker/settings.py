@@ -74,6 +74,9 @@ class WorkerSettings:
     # Most prompt tokens one engine step computes over all requests; None: vLLM's default
     # (2,048). Smaller steps bound how long every running request waits for its next token.
     step_tokens: int | None = None
+    # Most prompt tokens one engine step computes while any request decodes, so running
+    # streams are not held for a whole step behind a long prompt (worker.decode_guard); 0: no cap.
+    decoding_step_tokens: int = 0
     # Which waiting prompt the engine computes first: vLLM's arrival order, or the shortest
     # expected prefill (worker.prompt_priority).
     scheduling: str = FCFS
@@ -117,6 +120,8 @@ class WorkerSettings:
             raise ValueError("long_prefill_tokens must not be negative")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError("step_tokens must be positive")
+        if self.decoding_step_tokens < 0:
+            raise ValueError("decoding_step_tokens must be 0 (no cap) or positive")
         check_scheduling(self.scheduling)
         if not 0 <= self.probe_tokens < self.max_model_len:
             raise ValueError(f"probe_tokens must be in 0..{self.max_model_len - 1} (below max_model_len)")
