@@ -35,6 +35,9 @@ class SamplingSpec(msgspec.Struct, forbid_unknown_fields=False):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     logprobs: int | None = None
+    # Seconds a token the stream should average once it decodes: the engine keeps the steps
+    # beside it short enough (worker.decode_guard); 0: no target.
+    tpot_target: float = 0.0
 
 
 class PullSource(msgspec.Struct, forbid_unknown_fields=False):

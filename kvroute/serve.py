@@ -51,7 +51,7 @@ from orchestrator.settings import OrchestratorSettings
 from transfer.link_names import DEFAULT_TRANSFER_CHECKSUM, ENDPOINT, check_transfer_link, transfer_checksum_on
 from transfer.node_store.settings import NodeStoreSettings
 from worker.prompt_priority import check_scheduling
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, check_decode_guard
 
 logger = logging.getLogger("kvroute.serve")
 NODE_STORE_START_SECONDS = 30.0  # torch-free: it serves within a second or two
@@ -100,6 +100,9 @@ class PoolSettings:
                                   "token; 0: vLLM's default (2048)")
     decoding_step_tokens: int = setting(0, "most prompt tokens one engine step computes while any request "
                                            "decodes, given to every worker (worker.decode_guard); 0: no cap")
+    decoding_tpot_target: float = setting(0.0, "instead of decoding_step_tokens, the cap that keeps every "
+                                               "decoding stream at this many seconds a token on average, given "
+                                               "to every worker (worker.decode_guard); 0: none")
     scheduling: str = setting(WorkerSettings.scheduling, "which waiting prompt each engine computes first: fcfs "
                                                           "(vLLM's arrival order) or shortest-first (the shortest "
                                                           "expected prefill; docs/placement.md)")
@@ -113,8 +116,7 @@ class PoolSettings:
             raise ValueError("long_prefill_tokens must be -1 (the role's default), 0 (no cap) or positive")
         if self.step_tokens < 0:
             raise ValueError("step_tokens must be 0 (vLLM's default) or positive")
-        if self.decoding_step_tokens < 0:
-            raise ValueError("decoding_step_tokens must be 0 (no cap) or positive")
+        check_decode_guard(self.decoding_step_tokens, self.decoding_tpot_target)
         check_scheduling(self.scheduling)
         if self.kv_cache_gib <= 0 or self.total_kv_gib < 0:
             raise ValueError("KV cache sizes must be positive")
@@ -146,7 +148,8 @@ def worker_args(pool: PoolSettings, orchestrator: OrchestratorSettings, model: s
             *([] if pool.evict_pulled_first else ["--no-evict-pulled-first"]),
             *(["--long-prefill-tokens", str(pool.long_prefill_tokens)] if pool.long_prefill_tokens >= 0 else []),
             *(["--step-tokens", str(pool.step_tokens)] if pool.step_tokens else []),
-            "--decoding-step-tokens", str(pool.decoding_step_tokens), "--scheduling", pool.scheduling,
+            "--decoding-step-tokens", str(pool.decoding_step_tokens),
+            "--decoding-tpot-target", str(pool.decoding_tpot_target), "--scheduling", pool.scheduling,
             *(["--cluster-keys", orchestrator.cluster_keys] if orchestrator.cluster_keys else ["--insecure-no-auth"]),
             "--transfer-encryption", orchestrator.transfer_encryption,
             # One trace follows a request through the orchestrator and its workers.

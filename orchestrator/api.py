@@ -199,7 +199,7 @@ def _jobs(body: _Sampling, prompts: list[list[int]], context: ApiContext, reques
     jobs = [_job(body, prompt, context) for prompt in prompts]
     for index, job in enumerate(jobs):
         job.response_id, job.choice_index, job.policy, job.cache_salt = response_id, index, policy, salt
-        job.tenant, job.tpot_target = tenant, tpot_target
+        job.tenant, job.sampling = tenant, msgspec.structs.replace(job.sampling, tpot_target=tpot_target)
     return jobs
 
 

@@ -69,7 +69,6 @@ class Job:
     stop: list[str] = field(default_factory=list)
     policy: str | None = None  # None: the orchestrator's configured policy
     tenant: str = "anonymous"  # whose request: its decision records are readable by that tenant only
-    tpot_target: float = 0.0  # seconds a token its stream should average once decoding; 0: none
     response_id: str = ""
     choice_index: int = 0
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -78,6 +77,12 @@ class Job:
     trace_span: tracing.Span = field(default=tracing.NO_SPAN, repr=False, compare=False)
     _block_hashes: dict[int, list[identity.BlockHash]] = field(default_factory=dict, init=False, repr=False,
                                                               compare=False)
+
+    @property
+    def tpot_target(self) -> float:
+        """Seconds a token its stream should average once decoding; 0: none. Its sampling
+        carries it, so that the decoding engine keeps it too."""
+        return self.sampling.tpot_target
 
     def block_hashes(self, block_size: int) -> list[identity.BlockHash]:
         """The prompt's full blocks, chained in the job's cache namespace, as the index keys

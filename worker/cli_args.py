@@ -63,9 +63,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens one engine step computes over all requests "
                              "(default: the engine's, 2048)")
     parser.add_argument("--decoding-step-tokens", type=int, default=defaults.decoding_step_tokens,
-                        help="most prompt tokens one engine step computes while any request decodes, so "
-                             "running streams get their next token after a step of that size, not a whole "
-                             "--step-tokens step; 0: no cap (default: %(default)s)")
+                        help="a fixed cap instead: most prompt tokens one engine step computes while any "
+                             "request decodes; 0: none, steps follow the decoding requests' TPOT targets "
+                             "(default: %(default)s)")
+    parser.add_argument("--decoding-tpot-target", type=float, default=defaults.decoding_tpot_target,
+                        help="seconds a token for decoding requests that carry no target of their own (the "
+                             "orchestrator gives every request its TPOT target, 0.15 s unless asked): while "
+                             "requests decode, a step computes only the prompt tokens that keep each stream "
+                             "at its average; 0: none (default: %(default)s)")
     parser.add_argument("--scheduling", choices=SCHEDULING, default=defaults.scheduling,
                         help="which waiting prompt the engine computes first: fcfs (vLLM's arrival order) or "
                              "shortest-first (the shortest expected prefill, a long prompt overtaken only by "
@@ -128,7 +133,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         omp_threads_bind=args.omp_threads_bind,
         transfer_cpus=args.transfer_cpus, long_prefill_tokens=args.long_prefill_tokens,
         step_tokens=args.step_tokens, scheduling=args.scheduling, probe_tokens=args.probe_tokens,
-        decoding_step_tokens=args.decoding_step_tokens,
+        decoding_step_tokens=args.decoding_step_tokens, decoding_tpot_target=args.decoding_tpot_target,
         transfer_link=args.transfer_link, transfer_link_hosts=args.transfer_link_hosts,
         shared_copies=args.shared_copies,
         evict_pulled_first=args.evict_pulled_first, cluster_keys=args.cluster_keys,

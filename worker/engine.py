@@ -82,7 +82,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         long_prefill_token_threshold=settings.long_prefill_step_tokens,
         max_num_batched_tokens=settings.step_tokens,
         scheduling_policy=engine_policy(settings.scheduling),
-        **decode_guard_args(settings.decoding_step_tokens),
+        **decode_guard_args(settings.decoding_step_tokens, settings.decoding_tpot_target),
         kv_transfer_config=kv_transfer_config(settings),
         kv_events_config=kv_events_config(settings),
         disable_log_stats=False,

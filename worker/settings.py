@@ -32,6 +32,16 @@ PREFILL_LONG_PREFILL_TOKENS = 256
 UNIFIED_LONG_PREFILL_TOKENS = 0
 
 
+def check_decode_guard(decoding_step_tokens: int, decoding_tpot_target: float) -> None:
+    """The two ways of capping a step while requests decode (worker.decode_guard): one at most."""
+    if decoding_step_tokens < 0:
+        raise ValueError("decoding_step_tokens must be 0 (no cap) or positive")
+    if decoding_tpot_target < 0:
+        raise ValueError("decoding_tpot_target must be 0 (none) or positive seconds")
+    if decoding_step_tokens and decoding_tpot_target:
+        raise ValueError("give decoding_step_tokens or decoding_tpot_target, not both")
+
+
 def default_long_prefill_tokens(role: str) -> int:
     """The per-request step cap a worker of ``role`` gives its engine unless told otherwise
     (see ``WorkerSettings.long_prefill_step_tokens``)."""
@@ -74,9 +84,11 @@ class WorkerSettings:
     # Most prompt tokens one engine step computes over all requests; None: vLLM's default
     # (2,048). Smaller steps bound how long every running request waits for its next token.
     step_tokens: int | None = None
-    # Most prompt tokens one engine step computes while any request decodes, so running
-    # streams are not held for a whole step behind a long prompt (worker.decode_guard); 0: no cap.
+    # While requests decode, an engine step computes only the prompt tokens that keep each
+    # stream at its TPOT target, the request's own or else ``decoding_tpot_target`` (0: none);
+    # or at most ``decoding_step_tokens`` of them, a fixed cap (0: none) (worker.decode_guard).
     decoding_step_tokens: int = 0
+    decoding_tpot_target: float = 0.0
     # Which waiting prompt the engine computes first: vLLM's arrival order, or the shortest
     # expected prefill (worker.prompt_priority).
     scheduling: str = FCFS
@@ -120,8 +132,7 @@ class WorkerSettings:
             raise ValueError("long_prefill_tokens must not be negative")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError("step_tokens must be positive")
-        if self.decoding_step_tokens < 0:
-            raise ValueError("decoding_step_tokens must be 0 (no cap) or positive")
+        check_decode_guard(self.decoding_step_tokens, self.decoding_tpot_target)
         check_scheduling(self.scheduling)
         if not 0 <= self.probe_tokens < self.max_model_len:
             raise ValueError(f"probe_tokens must be in 0..{self.max_model_len - 1} (below max_model_len)")

@@ -77,7 +77,7 @@ async def test_a_local_prefill_records_the_stall_it_caused_beside_its_estimate(b
 
 async def test_a_disagg_stream_joins_its_decode_worker_at_its_second_token(busy_d0, monkeypatch):
     clock, plan = Clock(monkeypatch), Plan(PlanKind.DISAGG, "d0", "p0", estimate(stall=0.0))
-    job = Job(prompt_token_ids=[1] * 300, sampling=wire.SamplingSpec(max_tokens=4), cache_salt="s", tpot_target=0.05)
+    job = Job(prompt_token_ids=[1] * 300, sampling=wire.SamplingSpec(max_tokens=4, tpot_target=0.05), cache_salt="s")
     handoff = HandoffRecord(job.request_id)
     seen = []
     async for _ in service(busy_d0)._relayed(chunks(clock, handoff, [1.5, 1.6, 1.62, 1.64]), plan, job, handoff, 1.0):

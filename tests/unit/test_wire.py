@@ -49,9 +49,15 @@ GENERATE_REQUEST_V1_HEX = (  # before ``trace_context`` was appended
     "aa626c6f636b5f73697a65" "10"  # block_size: 16
     "ad70726f6d70745f646967657374" "a164"  # prompt_digest: "d"
 )
-GENERATE_REQUEST_HEX = (
+GENERATE_REQUEST_V2_HEX = (  # before the sampling's ``tpot_target`` was appended
     "88" + GENERATE_REQUEST_V1_HEX[2:]
     + "ad74726163655f636f6e74657874" "c0"  # trace_context: nil
+)
+GENERATE_REQUEST_HEX = (
+    GENERATE_REQUEST_V2_HEX
+    .replace("a873616d706c696e67" "88", "a873616d706c696e67" "89")  # sampling: map of 9
+    .replace("a86c6f6770726f6273" "c0",  # logprobs: nil, then
+             "a86c6f6770726f6273" "c0" "ab74706f745f746172676574" "cb0000000000000000")  # tpot_target: 0.0
 )
 
 GENERATE_CHUNK = wire.GenerateChunk(request_id="r1", token_ids=[5, 6], finished=True, finish_reason="length",
@@ -355,12 +361,14 @@ def test_golden_bytes_decode_to_the_message(message, golden_hex):
                                               (PULL_BLOCKS_V4_HEX, PULL_BLOCKS),
                                               (PULL_HEADER_SHARED_V1_HEX, PULL_HEADER_SHARED),
                                               (PULL_OVER_LINK_V1_HEX, PULL_OVER_LINK),
-                                              (LINK_HELLO_V1_HEX, LINK_HELLO)],
+                                              (LINK_HELLO_V1_HEX, LINK_HELLO),
+                                              (GENERATE_REQUEST_V2_HEX, GENERATE_REQUEST)],
                          ids=["GenerateRequest-v1", "GenerateChunk-v1", "GenerateChunk-v2", "Heartbeat-v1",
                               "Heartbeat-v2", "Heartbeat-v3",
                               "Heartbeat-v4", "Heartbeat-v5", "Heartbeat-v6", "Heartbeat-v7", "Heartbeat-v8",
                               "GenerateChunk-v3", "PullBlocks-v1",
-                              "PullBlocks-v2", "PullBlocks-v4", "PullHeader-v1", "PullOverLink-v1", "LinkHello-v1"])
+                              "PullBlocks-v2", "PullBlocks-v4", "PullHeader-v1", "PullOverLink-v1", "LinkHello-v1",
+                              "GenerateRequest-v2"])
 def test_payload_from_before_an_appended_field_still_decodes(old_hex, message):
     assert wire.decode(bytes.fromhex(old_hex)) == message
 
