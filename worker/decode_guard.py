@@ -161,8 +161,14 @@ class DecodeGuardScheduler(Scheduler):
         return outputs
 
 
-def decode_guard_args(decoding_step_tokens: int, decoding_tpot_target: float = 0.0) -> dict:
+def decode_guard_args(decoding_step_tokens: int, decoding_tpot_target: float = 0.0,
+                      cuda_available: bool = False) -> dict:
     """The engine arguments of this scheduler: a fixed cap, or requests' own targets with
-    ``decoding_tpot_target`` for those that carry none."""
+    ``decoding_tpot_target`` for those that carry none. None on GPUs: vLLM schedules a GPU
+    engine's steps asynchronously (its ``AsyncScheduler``), which a ``scheduler_cls`` would turn
+    off, and a GPU's steps are far shorter than the CPU's seconds this guards against; vLLM's
+    CPU platform always schedules synchronously."""
+    if cuda_available:
+        return {}
     return {"scheduler_cls": SCHEDULER_CLASS,
             "additional_config": {STEP_TOKENS_KEY: decoding_step_tokens, TPOT_TARGET_KEY: decoding_tpot_target}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
 from vllm import AsyncEngineArgs
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -82,7 +83,7 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         long_prefill_token_threshold=settings.long_prefill_step_tokens,
         max_num_batched_tokens=settings.step_tokens,
         scheduling_policy=engine_policy(settings.scheduling),
-        **decode_guard_args(settings.decoding_step_tokens, settings.decoding_tpot_target),
+        **decode_guard_args(settings.decoding_step_tokens, settings.decoding_tpot_target, torch.cuda.is_available()),
         kv_transfer_config=kv_transfer_config(settings),
         kv_events_config=kv_events_config(settings),
         disable_log_stats=False,

@@ -53,6 +53,7 @@ def test_engine_arguments_name_the_scheduler_and_its_caps():
     assert decode_guard_args(256) == {"scheduler_cls": SCHEDULER_CLASS,
                                       "additional_config": {STEP_TOKENS_KEY: 256, TPOT_TARGET_KEY: 0.0}}
     assert decode_guard_args(0, 0.15)["additional_config"] == {STEP_TOKENS_KEY: 0, TPOT_TARGET_KEY: 0.15}
+    assert decode_guard_args(256, 0.0, cuda_available=True) == {}  # vLLM's own (asynchronous) scheduler
 
 
 @pytest.mark.parametrize("settings, message", [
