@@ -98,11 +98,13 @@ class PoolSettings:
     step_tokens: int = setting(0, "most prompt tokens one engine step computes over all requests, given to every "
                                   "worker; smaller steps bound how long running streams wait for their next "
                                   "token; 0: vLLM's default (2048)")
-    decoding_step_tokens: int = setting(0, "most prompt tokens one engine step computes while any request "
-                                           "decodes, given to every worker (worker.decode_guard); 0: no cap")
-    decoding_tpot_target: float = setting(0.0, "instead of decoding_step_tokens, the cap that keeps every "
-                                               "decoding stream at this many seconds a token on average, given "
-                                               "to every worker (worker.decode_guard); 0: none")
+    decoding_step_tokens: int = setting(0, "a fixed cap instead of requests' TPOT targets: most prompt tokens one "
+                                           "engine step computes while any request decodes, given to every "
+                                           "worker (worker.decode_guard); 0: none")
+    decoding_tpot_target: float = setting(0.0, "seconds a token for decoding requests without a TPOT target of "
+                                               "their own (the orchestrator gives each one; see "
+                                               "tpot_target_seconds), given to every worker "
+                                               "(worker.decode_guard); 0: none")
     scheduling: str = setting(WorkerSettings.scheduling, "which waiting prompt each engine computes first: fcfs "
                                                           "(vLLM's arrival order) or shortest-first (the shortest "
                                                           "expected prefill; docs/placement.md)")

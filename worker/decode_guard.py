@@ -37,8 +37,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 STEP_TOKENS_KEY = "kvroute_decoding_step_tokens"
 TPOT_TARGET_KEY = "kvroute_decoding_tpot_target"
-# A request's own target, in its SamplingParams.extra_args (worker.generation).
+# A request's own target, in its SamplingParams.extra_args (worker.generation), taken only
+# within (0, MAX_TPOT_TARGET_SECONDS], the bound the orchestrator puts on what a request asks.
 TPOT_TARGET_ARG = "kvroute_tpot_target"
+MAX_TPOT_TARGET_SECONDS = 10.0
 SCHEDULER_CLASS = f"{__name__}.DecodeGuardScheduler"
 # Prompt tokens a second assumed before the engine has timed a step of at least
 # MEASURED_STEP_TOKENS of them (the worker's start-up probe is usually that step).
@@ -47,6 +49,12 @@ MEASURED_STEP_TOKENS = 64
 PACE_WEIGHT = 0.2  # of each newly timed step in the running estimate
 # The least a capped step computes of a prompt, so that a prompt always moves.
 MIN_STEP_TOKENS = 32
+
+
+def target_args(tpot_target: float) -> dict:
+    """``extra_args`` that carry a request's target to this scheduler; none for 0, or for a
+    value out of bounds (not finite, negative, beyond MAX_TPOT_TARGET_SECONDS)."""
+    return {TPOT_TARGET_ARG: tpot_target} if 0 < tpot_target <= MAX_TPOT_TARGET_SECONDS else {}
 
 
 def decoding_requests(running) -> int:

@@ -8,7 +8,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from foundation import wire
 from transfer.request_params import PARAMS_KEY
-from worker.decode_guard import TPOT_TARGET_ARG
+from worker.decode_guard import target_args
 
 
 def sampling_params(request: wire.GenerateRequest) -> SamplingParams:
@@ -25,7 +25,7 @@ def sampling_params(request: wire.GenerateRequest) -> SamplingParams:
         detokenize=False,  # the orchestrator detokenizes the merged stream
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": {PARAMS_KEY: transfer_params(request)},
-                    **({TPOT_TARGET_ARG: spec.tpot_target} if spec.tpot_target > 0 else {})},
+                    **target_args(spec.tpot_target)},
     )
 
 

@@ -120,3 +120,10 @@ def test_a_generate_request_s_target_reaches_the_engine():
     assert with_target.extra_args[TPOT_TARGET_ARG] == 0.15
     without = sampling_params(wire.GenerateRequest(request_id="b", prompt_token_ids=[1, 2]))
     assert TPOT_TARGET_ARG not in without.extra_args
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, float("nan"), float("inf"), 10.5])
+def test_a_target_out_of_bounds_is_not_passed_on(target):
+    params = sampling_params(wire.GenerateRequest(request_id="c", prompt_token_ids=[1],
+                                                  sampling=wire.SamplingSpec(tpot_target=target)))
+    assert TPOT_TARGET_ARG not in params.extra_args
