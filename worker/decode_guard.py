@@ -180,3 +180,14 @@ def decode_guard_args(decoding_step_tokens: int, decoding_tpot_target: float = 0
         return {}
     return {"scheduler_cls": SCHEDULER_CLASS,
             "additional_config": {STEP_TOKENS_KEY: decoding_step_tokens, TPOT_TARGET_KEY: decoding_tpot_target}}
+
+
+def decode_guard_summary(additional_config: dict) -> str:
+    """What an engine built with ``additional_config`` does beside decoding requests, for its log."""
+    if STEP_TOKENS_KEY not in additional_config:
+        return "vLLM's own (whole steps; a GPU engine)"
+    if additional_config[STEP_TOKENS_KEY]:
+        return f"at most {additional_config[STEP_TOKENS_KEY]} prompt tokens"
+    fallback = additional_config[TPOT_TARGET_KEY]
+    return ("as many prompt tokens as keep each stream at its TPOT target"
+            + (f" ({fallback:g} s a token without one)" if fallback else " (none without one: whole steps)"))

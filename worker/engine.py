@@ -12,7 +12,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from foundation.netutil import tcp
 from worker.block_size import resolve_here as resolve_block_size
-from worker.decode_guard import decode_guard_args
+from worker.decode_guard import decode_guard_args, decode_guard_summary
 from worker.engine_stats import EngineStats
 from worker.prompt_priority import engine_policy
 from worker.settings import WorkerSettings
@@ -94,7 +94,9 @@ def start_engine(settings: WorkerSettings, stats: EngineStats) -> AsyncLLM:
     """Start the engine (tens of seconds on CPU); vLLM spawns its own processes."""
     settings.apply_environment()
     logger.info("starting vLLM engine for %s (%s, %s)", settings.worker_id, settings.model, settings.dtype)
-    return AsyncLLM.from_engine_args(engine_args(settings), stat_loggers=[stats.logger_factory()])
+    args = engine_args(settings)
+    logger.info("steps beside decoding requests: %s", decode_guard_summary(args.additional_config))
+    return AsyncLLM.from_engine_args(args, stat_loggers=[stats.logger_factory()])
 
 
 async def reset_prefix_cache(engine: AsyncLLM, attempts: int) -> bool:

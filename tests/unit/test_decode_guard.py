@@ -16,6 +16,7 @@ from worker.decode_guard import (
     PrefillPace,
     StreamDeadlines,
     decode_guard_args,
+    decode_guard_summary,
     decoding_requests,
     prompt_tokens_of,
     step_limits,
@@ -127,3 +128,10 @@ def test_a_target_out_of_bounds_is_not_passed_on(target):
     params = sampling_params(wire.GenerateRequest(request_id="c", prompt_token_ids=[1],
                                                   sampling=wire.SamplingSpec(tpot_target=target)))
     assert TPOT_TARGET_ARG not in params.extra_args
+
+
+def test_the_log_says_what_the_engine_does_beside_decodes():
+    assert decode_guard_summary({}) == "vLLM's own (whole steps; a GPU engine)"
+    assert decode_guard_summary(decode_guard_args(256)["additional_config"]) == "at most 256 prompt tokens"
+    assert "(0.2 s a token without one)" in decode_guard_summary(decode_guard_args(0, 0.2)["additional_config"])
+    assert "whole steps" in decode_guard_summary(decode_guard_args(0, 0.0)["additional_config"])
